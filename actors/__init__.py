@@ -1,0 +1,1 @@
+"""One module per actor; each is thin: receive, call the library in ``pipeline``, send."""

@@ -1,0 +1,308 @@
+"""Every message that crosses an actor boundary: the map of the system.
+
+Read top to bottom, this file follows one rollout through the graph (DESIGN.md §1-2):
+
+    Scheduler --RolloutRequest--> SandboxPool --(harness speaks HTTP)--> Proxy --CallStarted/ModelCall/CallFailed-->
+    Collector <--RolloutFinished-- SandboxPool
+    Collector --SettledRollout--> TreeBuilder --TreeGroup--> Learner --PolicyUpdated--> Scheduler, Proxy
+    anyone --Metric--> Monitor;  ConfigWatcher --ConfigChanged--> (every actor, through the supervisor)
+
+Token ids and log-probabilities travel as raw little-endian arrays in ``bytes`` fields (``I32``/``F32``), not as
+lists of Python ints: a ModelCall with 8k input ids encodes to ~32 KB in microseconds, and ``ids(msg.input_ids)``
+is a zero-copy numpy view. Use :func:`pack_i32` / :func:`pack_f32` to build them.
+
+Adding a field: give it a default so that older event logs still decode, and bump SCHEMA_VERSION only when an old
+log can no longer be read correctly.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Sequence, Union
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+I32 = Annotated[bytes, msgspec.Meta(description="int32 little-endian array; read with ids()")]
+F32 = Annotated[bytes, msgspec.Meta(description="float32 little-endian array; read with floats()")]
+U8 = Annotated[bytes, msgspec.Meta(description="uint8 array (0/1 masks); read with mask()")]
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+def pack_i32(values: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype=_I32).tobytes()
+
+
+def pack_f32(values: Sequence[float] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype=_F32).tobytes()
+
+
+def pack_u8(values: Sequence[bool] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype=np.uint8).tobytes()
+
+
+def ids(buf: bytes) -> np.ndarray:
+    """Read-only int32 view of an I32 field."""
+    return np.frombuffer(buf, dtype=_I32)
+
+
+def floats(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype=_F32)
+
+
+def mask(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8).astype(bool)
+
+
+class _Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
+    """Base of all messages. ``type`` (the class name) is the tag in msgpack and JSON."""
+
+
+# --------------------------------------------------------------------------------------------- scheduling
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Policy sampling for one rollout; the proxy applies it to every call the harness makes."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 1024
+    seed: int | None = None
+
+
+class RolloutRequest(_Msg, kw_only=True):
+    """Scheduler -> SandboxPool (and Proxy, which learns the token from it). One rollout of one group."""
+
+    rollout_id: str
+    group_id: str  # one (task, harness) pair x G rollouts
+    index: int  # position inside the group, 0..group_size-1
+    group_size: int
+    task_id: str
+    harness: str  # adapter name, e.g. "whitebox:S0T1O2C1W0", "claude-code", "codex"
+    token: str  # per-rollout secret the harness presents to the proxy
+    policy_version: int  # version when issued; staleness is measured against it
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    timeout_s: float = 600.0
+    purpose: Literal["train", "eval", "sft"] = "train"
+
+
+# ---------------------------------------------------------------------------------------------- the proxy
+class CallStarted(_Msg, kw_only=True):
+    """Proxy -> Collector: a harness request was authenticated and will reach the engine."""
+
+    rollout_id: str
+    call_id: str
+    seq: int  # arrival order within the rollout
+    t: float
+
+
+class VersionSpan(msgspec.Struct, array_like=True):
+    """Output tokens from ``start`` on were sampled by policy ``version`` (a weight update can land mid-call)."""
+
+    start: int
+    version: int
+
+
+class CallTimings(msgspec.Struct, kw_only=True, omit_defaults=True):
+    received: float
+    engine_start: float = 0.0
+    engine_end: float = 0.0
+    sent: float = 0.0
+    render_s: float = 0.0
+
+
+class ModelCall(_Msg, kw_only=True):
+    """Proxy -> Collector: one completed model call, exactly as the policy saw and produced it."""
+
+    rollout_id: str
+    call_id: str
+    seq: int
+    protocol: Literal["chat", "anthropic", "responses", "generate"]
+    label: Literal["main", "subagent", "compaction"] = "main"
+    input_ids: I32
+    output_ids: I32  # includes the stop token the engine matched, if any
+    logprobs: F32  # one per output id: log_softmax(logits / T) of the sampled token (pi_rollout)
+    versions: list[VersionSpan] = msgspec.field(default_factory=list)
+    finish_reason: Literal["stop", "length", "tool_calls", "abort", "error"] = "stop"
+    spliced_turns: int = 0  # assistant turns whose original sampled ids were reused (token-in)
+    rendered_turns: int = 0  # assistant turns that had to be re-rendered from text
+    model: str = ""
+    timings: CallTimings | None = None
+
+
+class CallFailed(_Msg, kw_only=True):
+    """Proxy -> Collector: a call that produced no usable record (engine error, client dropped, aborted)."""
+
+    rollout_id: str
+    call_id: str
+    seq: int
+    reason: str
+    t: float
+
+
+# ----------------------------------------------------------------------------------------- the sandbox
+RolloutStatus = Literal["ok", "timeout", "sandbox_error", "harness_error", "verifier_error"]
+
+
+class RolloutTimings(msgspec.Struct, kw_only=True, omit_defaults=True):
+    queued: float = 0.0
+    sandbox_ready: float = 0.0
+    harness_done: float = 0.0
+    verified: float = 0.0
+
+
+class RolloutFinished(_Msg, kw_only=True):
+    """SandboxPool -> Collector: the harness ended and the verifier scored the workspace (or something failed)."""
+
+    rollout_id: str
+    group_id: str
+    status: RolloutStatus
+    reward: float = 0.0
+    rewards: dict[str, float] = msgspec.field(default_factory=dict)  # named parts, e.g. rule / rubric
+    exit_code: int | None = None
+    details: str = ""  # error text or verifier output tail
+    timings: RolloutTimings = msgspec.field(default_factory=RolloutTimings)
+
+
+# ------------------------------------------------------------------------------------------ collection
+class SettledRollout(_Msg, kw_only=True):
+    """Collector -> TreeBuilder: every call of a rollout, once nothing more can arrive."""
+
+    request: RolloutRequest
+    finished: RolloutFinished
+    calls: list[ModelCall]
+    failed_calls: list[CallFailed] = msgspec.field(default_factory=list)
+    settle: Literal["quiet", "timeout"] = "quiet"  # timeout: stragglers were aborted
+    aborted_calls: int = 0
+
+
+# ------------------------------------------------------------------------------------------------ trees
+class PackedTree(msgspec.Struct, kw_only=True):
+    """A group's kept tree nodes laid out depth-first as one sequence (DESIGN.md §5).
+
+    For each token i: ``positions[i]`` is its depth in its root-to-leaf path (the RoPE position);
+    token j is visible to token i iff ``j <= i < subtree_end[j]``; ``pred[i]`` is the index whose logits predict
+    token i (i-1 inside a node, the parent's last token for a node's first token, -1 for a root's first token).
+    ``rollout[i]`` is the rollout index inside the group (-1 for prefixes shared by several rollouts), which is
+    also the advantage slot; ``segment[i]`` numbers the rollout's segments (compaction restarts).
+    """
+
+    tokens: I32
+    positions: I32
+    subtree_end: I32
+    pred: I32
+    trainable: U8
+    logprobs: F32  # pi_rollout for trainable tokens, 0 elsewhere
+    rollout: I32
+    segment: I32
+
+
+class TreeStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    calls: int = 0
+    leaves: int = 0
+    kept_leaves: int = 0
+    segments: int = 0
+    depth: int = 0
+    tokens_total: int = 0  # tokens of all calls as the harness sent them (input + output, summed over calls)
+    tokens_packed: int = 0  # tokens actually stored (shared prefixes once)
+    tokens_trainable: int = 0
+    exact_prefix_attach_rate: float = 0.0
+    dropped: dict[str, int] = msgspec.field(default_factory=dict)  # reason -> count
+
+
+class RolloutSummary(msgspec.Struct, kw_only=True, omit_defaults=True):
+    rollout_id: str
+    reward: float
+    status: RolloutStatus
+    stats: TreeStats = msgspec.field(default_factory=TreeStats)
+    policy_version: int = 0  # oldest version that produced any of its trainable tokens
+
+
+class TreeGroup(_Msg, kw_only=True):
+    """TreeBuilder -> Learner: one (task, harness) group, ready to train."""
+
+    group_id: str
+    task_id: str
+    harness: str
+    rollouts: list[RolloutSummary]
+    packed: PackedTree
+    issued_version: int = 0
+
+
+class GroupDropped(_Msg, kw_only=True):
+    """TreeBuilder -> Monitor: a group that will not be trained, and why."""
+
+    group_id: str
+    reason: str
+    valid_rollouts: int = 0
+
+
+# ---------------------------------------------------------------------------------------------- learner
+class PolicyUpdated(_Msg, kw_only=True):
+    """Learner -> Scheduler, Proxy: the engine now serves ``version``."""
+
+    version: int
+    step: int
+    weights_path: str = ""
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+# -------------------------------------------------------------------------------------- control, metrics
+class ConfigChanged(_Msg, kw_only=True):
+    """ConfigWatcher -> an actor (through the supervisor): a validated change of one config section."""
+
+    section: str
+    changes: dict[str, Any]  # field -> new value
+    accepted: bool = True
+    reason: str = ""  # why it was refused, when accepted is False
+
+
+class Metric(_Msg, kw_only=True):
+    source: str
+    step: int = -1
+    values: dict[str, float] = msgspec.field(default_factory=dict)
+    t: float = 0.0
+
+
+class ActorStopped(_Msg, kw_only=True):
+    """Supervisor: an actor ended; ``error`` is set when it crashed (and the graph was stopped because of it)."""
+
+    actor: str
+    reason: Literal["done", "cancelled", "crashed"]
+    error: str = ""
+
+
+class Note(_Msg, kw_only=True):
+    """Free-form payload, for toy graphs in tests and demos."""
+
+    value: Any = None
+    seq: int = 0
+
+
+Message = Union[
+    RolloutRequest,
+    CallStarted,
+    ModelCall,
+    CallFailed,
+    RolloutFinished,
+    SettledRollout,
+    TreeGroup,
+    GroupDropped,
+    PolicyUpdated,
+    ConfigChanged,
+    Metric,
+    ActorStopped,
+    Note,
+]
+
+MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
+
+
+class Event(msgspec.Struct, array_like=True):
+    """One frame of the event log: when, which actor output sent it, and the message."""
+
+    t: float
+    src: str  # "actor.output", or "supervisor" / "config"
+    msg: Message
