@@ -40,7 +40,9 @@ def configure(log_file: Path | None = None, level: str = "info", console: bool =
             structlog.stdlib.ProcessorFormatter(
                 processors=[
                     structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
+                    structlog.dev.ConsoleRenderer(
+                        colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+                    ),
                 ],
                 foreign_pre_chain=shared,
             )

@@ -1,0 +1,180 @@
+"""Starting runs and replays: run directories, logging, the event log, the supervisor.
+
+``run.py`` is a thin command line over these functions; tests call them directly too.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from pipeline import config as cfg
+from pipeline import logs
+from pipeline.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
+from pipeline.messages import SCHEMA_VERSION, ConfigChanged
+from pipeline.runtime import Graph, Resolver, Supervisor
+
+
+@dataclass
+class RunDir:
+    path: Path
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.msgpack"
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.toml"
+
+    @property
+    def log_file(self) -> Path:
+        return self.path / "log.jsonl"
+
+
+def make_run_dir(exp: cfg.Experiment, run_dir: str | Path | None, suffix: str = "") -> RunDir:
+    if run_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = Path(exp.experiment.runs_dir) / f"{stamp}-{exp.name}{suffix}"
+        path, i = base, 1
+        while path.exists():
+            i += 1
+            path = base.with_name(f"{base.name}-{i}")
+    else:
+        path = Path(run_dir)
+        if (path / "events.msgpack").exists():
+            raise cfg.ConfigError(f"--run-dir {path}: already holds a run (events.msgpack); pick a new directory")
+    path.mkdir(parents=True, exist_ok=True)
+    return RunDir(path)
+
+
+def open_event_log(rd: RunDir, exp: cfg.Experiment, replay_of: str = "") -> AsyncEventLog:
+    header = LogHeader(
+        schema_version=SCHEMA_VERSION,
+        run_id=f"{rd.path.name}-{uuid.uuid4().hex[:8]}",
+        created=time.time(),
+        experiment=exp.name,
+        config=exp.to_dict(),
+        replay_of=replay_of,
+    )
+    return AsyncEventLog(EventLogWriter(rd.events, header))
+
+
+def prepare(exp: cfg.Experiment, run_dir: str | Path | None, *, suffix: str = "", console: bool = True) -> RunDir:
+    rd = make_run_dir(exp, run_dir, suffix)
+    rd.config.write_text(exp.to_toml(), encoding="utf-8")
+    logs.configure(rd.log_file, level=exp.experiment.log_level, console=console)
+    return rd
+
+
+async def run_experiment(
+    exp: cfg.Experiment,
+    resolve: Resolver,
+    rd: RunDir,
+    *,
+    config_path: Path | None = None,
+    handle_signals: bool = True,
+) -> Supervisor:
+    """Run the graph of ``exp`` to its end. Raises ActorCrashed / Interrupted like Supervisor.run."""
+    log = open_event_log(rd, exp)
+    sup = Supervisor(exp, resolve, log, config_path=config_path, handle_signals=handle_signals)
+    logs.get_logger(actor="run").info("run started", run_dir=str(rd.path), experiment=exp.name)
+    try:
+        await sup.run()
+    finally:
+        log.close()
+    return sup
+
+
+def recorded_experiment(log_path: Path, resolve: Resolver, overrides: list[str] | None = None) -> cfg.Experiment:
+    reader = EventLogReader(log_path)
+    data = msgspec.to_builtins(reader.header.config)
+    exp = cfg.load_experiment(data, resolve, overrides)
+    exp.source = f"{log_path} (recorded config)"
+    return exp
+
+
+def replay_plan(exp: cfg.Experiment, stage: set[str]) -> dict[str, list[str]]:
+    """Which recorded outputs ("actor.output") feed which replayed actors: every edge from outside the stage in."""
+    unknown = stage - set(exp.graph.actors)
+    if unknown:
+        raise cfg.ConfigError(
+            f"--stage {','.join(sorted(unknown))}: not an actor of the recorded graph "
+            f"({', '.join(exp.graph.actors)})"
+        )
+    plan: dict[str, list[str]] = {}
+    for src, out, dst in exp.graph.parsed_edges():
+        if dst in stage and src not in stage:
+            plan.setdefault(f"{src}.{out}", []).append(dst)
+    return plan
+
+
+async def replay_stage(
+    log_path: Path,
+    exp: cfg.Experiment,
+    resolve: Resolver,
+    stage: set[str],
+    rd: RunDir,
+) -> Supervisor:
+    """Re-feed the recorded inputs of ``stage`` into fresh instances of its actors and run them live.
+
+    Edges among the stage's actors are live; outputs to actors outside the stage only go to the new event log.
+    Recorded config changes of the stage's actors are applied at their place in the stream (after the target's
+    inbox has drained), so a replay sees what the live run saw.
+    """
+    plan = replay_plan(exp, stage)
+    reader = EventLogReader(log_path)
+    log = open_event_log(rd, exp, replay_of=str(log_path))
+    sup = Supervisor(exp, resolve, log, handle_signals=True, only=stage, external_inputs=set())
+    missing = {d for dsts in plan.values() for d in dsts} - set(sup.graph.feeds)
+    assert not missing, missing
+
+    async def feeder(graph: Graph) -> None:
+        for ev in reader:
+            targets = plan.get(ev.src)
+            if targets:
+                for dst in targets:
+                    await graph.feeds[dst].send(ev.msg)
+            elif isinstance(ev.msg, ConfigChanged) and ev.msg.accepted and ev.msg.section in graph.actors:
+                await _apply_recorded_change(graph, exp, ev.msg)
+        if reader.report.truncated_at is not None:
+            logs.get_logger(actor="replay").warning("replayed a truncated log", detail=reader.report.problem)
+
+    try:
+        await sup.run(feeder)
+    finally:
+        log.close()
+    return sup
+
+
+async def _apply_recorded_change(graph: Graph, exp: cfg.Experiment, change: ConfigChanged) -> None:
+    actor = graph.actors[change.section]
+    if actor.inbox is not None:
+        while actor.inbox.statistics().current_buffer_used:
+            await anyio.sleep(0.001)
+    current = msgspec.to_builtins(actor.config)
+    current.update(change.changes)
+    new = msgspec.convert(current, type(actor.config))
+    exp.sections[change.section] = new
+    await actor.on_config(new, dict(change.changes))
+
+
+def summary_text(s: Any) -> str:
+    lines = [
+        f"event log  {s.path}",
+        f"run        {s.run_id}  (experiment {s.experiment}, schema v{s.schema_version})",
+        f"events     {s.events}  over {s.span_s:.2f} s",
+        f"rollouts   {s.rollouts}   groups {s.groups}   steps {s.steps}"
+        + (f"   policy version {s.last_policy_version}" if s.last_policy_version is not None else ""),
+        "by type    " + ", ".join(f"{k} {v}" for k, v in s.by_type.items()),
+        "by source  " + ", ".join(f"{k} {v}" for k, v in s.by_source.items()),
+    ]
+    if s.truncated_at is not None:
+        lines.append(f"TRUNCATED  {s.problem}")
+    return "\n".join(lines)

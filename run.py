@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""bridle command line. See README.md, or run ``python run.py --help``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EPILOG = """\
+examples:
+  python run.py --experiment quickstart                   run configs/quickstart.toml
+  python run.py --experiment my.toml --set learner.lr=1e-6 --set experiment.seed=3
+  python run.py --replay runs/20261129-120000-quickstart/events.msgpack          summary of a recorded run
+  python run.py --replay runs/.../events.msgpack --json                          the same as one JSON object
+  python run.py --replay runs/.../events.msgpack --stage sink                    re-feed recorded inputs into actor(s)
+
+exit codes: 0 done, 1 an actor crashed, 2 bad configuration or arguments, 130 interrupted (Ctrl-C / SIGTERM)
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="run.py",
+        description="bridle: train LLM agents with RL through real agent harnesses.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--experiment",
+        metavar="NAME|PATH",
+        help="experiment to run: NAME resolves to configs/NAME.toml, or give a path to a .toml file. "
+        "The file is watched: edits to hot-reloadable fields apply to the running graph; edits to fixed fields "
+        "are refused with a log line.",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one config field (repeatable); VALUE is read as TOML (1e-6, true, \"text\", [1, 2]) and "
+        "type-checked like the file",
+    )
+    p.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="where this run writes events.msgpack, config.toml and log.jsonl "
+        "(default: <experiment.runs_dir>/<timestamp>-<name>/)",
+    )
+    p.add_argument(
+        "--replay",
+        metavar="LOG",
+        help="read a recorded event log (runs/<run>/events.msgpack): print a summary (messages per type, "
+        "rollouts, steps, time span), or with --stage re-feed recorded messages into part of the graph",
+    )
+    p.add_argument("--json", action="store_true", help="with --replay: print the summary as one JSON object")
+    p.add_argument(
+        "--stage",
+        metavar="ACTOR[,ACTOR]",
+        help="with --replay: actors to run again, fed with the messages they received in the recorded run "
+        "(uses the recorded config; --set applies on top); their outputs go to a new run directory",
+    )
+    p.add_argument("--validate", action="store_true", help="check the experiment file and exit")
+    p.add_argument("--no-watch", action="store_true", help="do not watch the experiment file for changes")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import anyio
+
+    from actors import REGISTRY
+    from pipeline import config as cfg
+    from pipeline import launch, logs
+    from pipeline.eventlog import EventLogError, summarize
+    from pipeline.runtime import ActorCrashed, Interrupted, make_resolver
+
+    resolve = make_resolver(REGISTRY)
+    try:
+        if args.replay:
+            log_path = Path(args.replay)
+            if log_path.is_dir():
+                log_path = log_path / "events.msgpack"
+            if not args.stage:
+                s = summarize(log_path)
+                print(json.dumps(s.as_dict()) if args.json else launch.summary_text(s))
+                return 0
+            exp = launch.recorded_experiment(log_path, resolve, args.overrides)
+            stage = {x.strip() for x in args.stage.split(",") if x.strip()}
+            rd = launch.prepare(exp, args.run_dir, suffix="-replay")
+            anyio.run(launch.replay_stage, log_path, exp, resolve, stage, rd)
+            print(json.dumps({"run_dir": str(rd.path), "events": str(rd.events)}))
+            return 0
+        if not args.experiment:
+            print("run.py: give --experiment NAME|PATH or --replay LOG (see --help)", file=sys.stderr)
+            return 2
+        path = cfg.resolve_experiment_path(args.experiment)
+        exp = cfg.load_experiment(path, resolve, args.overrides)
+        if args.validate:
+            print(f"{path}: ok ({len(exp.graph.actors)} actors)")
+            return 0
+        rd = launch.prepare(exp, args.run_dir)
+        anyio.run(
+            lambda: launch.run_experiment(exp, resolve, rd, config_path=None if args.no_watch else path)
+        )
+        logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
+        return 0
+    except (cfg.ConfigError, EventLogError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ActorCrashed as e:
+        logs.get_logger(actor="run").error("run stopped: actor crashed", actor=e.actor, error=str(e.error))
+        return 1
+    except Interrupted as e:
+        logs.get_logger(actor="run").warning("run interrupted", reason=str(e))
+        return 130
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
