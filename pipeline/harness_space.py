@@ -1,0 +1,235 @@
+"""The white-box harness space: 3^5 configurations, an orthogonal training design, held-out configurations
+and locality-aware assignment (DESIGN.md section 7; Harness Scaling).
+
+A configuration picks a realization 0, 1 or 2 for each of the five components S (system prompt), T (tool
+interface), O (observation), C (context management), W (workflow) of ``harness_images/whitebox``; its name is
+``S0T1O2C1W0`` and the adapter name the scheduler puts into ``RolloutRequest.harness`` is
+``whitebox:S0T1O2C1W0``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Sequence
+from functools import cache
+from importlib import resources
+
+import msgspec
+import numpy as np
+
+COMPONENTS = ("S", "T", "O", "C", "W")
+LEVELS = 3
+REALIZATIONS: dict[str, tuple[str, str, str]] = {
+    "S": ("direct", "product", "narrative"),
+    "T": ("base_names", "semantic_aliases", "opaque_ids"),
+    "O": ("raw", "simulated_infrastructure", "execution_metadata"),
+    "C": ("full_history", "in_context_summary", "externalized_compaction"),
+    "W": ("free_form", "plan_first", "progress_verification"),
+}
+CANONICAL_TOOLS = ("read_file", "write_file", "edit_file", "bash", "python", "search", "fetch")
+
+
+class HarnessConfig(msgspec.Struct, frozen=True, array_like=True):
+    """One point of the space; hashable and ordered like its name."""
+
+    s: int
+    t: int
+    o: int
+    c: int
+    w: int
+
+    def __post_init__(self) -> None:
+        for comp, level in zip(COMPONENTS, self.levels):
+            if not 0 <= level < LEVELS:
+                raise ValueError(f"HarnessConfig.{comp.lower()}={level}: a level must be 0, 1 or 2")
+
+    @classmethod
+    def parse(cls, name: str) -> HarnessConfig:
+        """``S0T1O2C1W0`` or ``whitebox:S0T1O2C1W0``."""
+        bare = name.removeprefix("whitebox:")
+        if len(bare) != 10 or tuple(bare[0::2]) != COMPONENTS or not all(ch in "012" for ch in bare[1::2]):
+            raise ValueError(f"harness configuration {name!r}: expected a name like S0T1O2C1W0 (levels 0-2)")
+        return cls(*(int(ch) for ch in bare[1::2]))
+
+    @classmethod
+    def from_levels(cls, levels: Sequence[int]) -> HarnessConfig:
+        return cls(*(int(x) for x in levels))
+
+    @property
+    def levels(self) -> tuple[int, int, int, int, int]:
+        return (self.s, self.t, self.o, self.c, self.w)
+
+    @property
+    def name(self) -> str:
+        return "".join(f"{comp}{level}" for comp, level in zip(COMPONENTS, self.levels))
+
+    @property
+    def adapter(self) -> str:
+        return f"whitebox:{self.name}"
+
+    def realizations(self) -> dict[str, str]:
+        return {comp: REALIZATIONS[comp][level] for comp, level in zip(COMPONENTS, self.levels)}
+
+    def distance(self, other: HarnessConfig) -> int:
+        """Hamming distance: the number of components whose realization differs."""
+        return sum(a != b for a, b in zip(self.levels, other.levels))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def all_configs() -> list[HarnessConfig]:
+    """All 3^5 = 243 configurations, in name order."""
+    return [HarnessConfig(*lv) for lv in itertools.product(range(LEVELS), repeat=len(COMPONENTS))]
+
+
+# ------------------------------------------------------------------------------------------ orthogonal arrays
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, int(n**0.5) + 1))
+
+
+def _nonsquare(p: int) -> int:
+    squares = {(x * x) % p for x in range(1, p)}
+    return next(v for v in range(2, p) if v not in squares)
+
+
+def _rao_hamming(p: int) -> np.ndarray:
+    """OA(p^2, p+1, p, 2): rows (x, y) in GF(p)^2, columns x and y + kx for k in GF(p)."""
+    x, y = (a.ravel() for a in np.meshgrid(np.arange(p), np.arange(p), indexing="ij"))
+    return np.stack([x] + [(y + k * x) % p for k in range(p)], axis=1)
+
+
+def _addelman_kempthorne(p: int) -> np.ndarray:
+    """OA(2p^2, 2p+1, p, 2) for an odd prime p (Addelman & Kempthorne 1961).
+
+    Rows are (h, x, y) with a half h in {0, 1} and x, y in GF(p). Let v be a non-square of GF(p) and
+    c_0 = 1, c_1 = v. The columns are
+
+        x;     A_k = y + k x + f_h(k);     B_k = y + b_h(k) x + c_h x^2 + e_h(k)      (k in GF(p))
+
+    with b_0(k) = k, b_1(k) = v k, f_0 = e_0 = 0, f_1(k) = k^2 (1 - 1/v) / 4, e_1(k) = -k^2 (1 - v) / 4.
+    Why every pair of columns is balanced over the 2p^2 rows: y runs over all of GF(p) in each (h, x), so a
+    pair (P, Q) is balanced iff, for every d, the number of (h, x) with Q - P = d is 2. For x against any
+    column, and for A_k against A_k' or B_k against B_k', Q - P is a non-constant linear function of x in
+    each half, which hits every d once per half. For A_k against B_k', Q - P = c_h x^2 + beta x + gamma is
+    quadratic: its number of roots of Q - P = d is 1 + chi(D_h + 4 c_h d), chi the quadratic character and
+    D_h = beta^2 - 4 c_h gamma. The choices of b_1, f_1, e_1 make D_1 / v = D_0 for every (k, k'), so
+    D_1 + 4 v d = v (D_0 + 4 d) and chi(v) = -1 makes the two halves' chi terms cancel: 2 roots for every d.
+    The first p+1 columns of half 0 are the Rao-Hamming array, so both constructions agree where they overlap.
+    """
+    if p % 2 == 0:
+        raise ValueError("the Addelman-Kempthorne construction needs an odd prime number of levels")
+    v = _nonsquare(p)
+    inv4, inv_v = pow(4, -1, p), pow(v, -1, p)
+    rows = []
+    for h, x, y in itertools.product(range(2), range(p), range(p)):
+        c = 1 if h == 0 else v
+        row = [x]
+        for k in range(p):
+            f = 0 if h == 0 else k * k * (1 - inv_v) * inv4
+            row.append(y + k * x + f)
+        for k in range(p):
+            b = k if h == 0 else v * k
+            e = 0 if h == 0 else -k * k * (1 - v) * inv4
+            row.append(y + b * x + c * x * x + e)
+        rows.append(row)
+    return np.array(rows, dtype=np.int64) % p
+
+
+def orthogonal_array(levels: int, factors: int) -> np.ndarray:
+    """A strength-2 orthogonal array with ``factors`` columns at a prime number of ``levels``, as an int
+    array of shape (runs, factors): every pair of columns shows every pair of levels equally often.
+
+    ``factors <= levels + 1``: the Rao-Hamming array, ``levels^2`` runs (the most a p^2-run array can carry).
+    ``factors <= 2 levels + 1`` (odd ``levels``): the Addelman-Kempthorne array, ``2 levels^2`` runs; for
+    5 factors at 3 levels that is the 18-run design (the three-level part of the classic L18). Both are built
+    from finite-field arithmetic, and the first columns are taken.
+    """
+    if not _is_prime(levels):
+        raise ValueError(f"levels={levels}: the constructions need a prime number of levels")
+    if factors < 1:
+        raise ValueError(f"factors={factors}: need at least one factor")
+    if factors <= levels + 1:
+        return _rao_hamming(levels)[:, :factors]
+    if levels % 2 == 1 and factors <= 2 * levels + 1:
+        return _addelman_kempthorne(levels)[:, :factors]
+    raise ValueError(
+        f"factors={factors} at levels={levels}: at most {levels + 1} "
+        f"({2 * levels + 1} for odd levels) factors are supported"
+    )
+
+
+def training_configs() -> list[HarnessConfig]:
+    """The 18 training configurations: the strength-2 array with columns S, T, O, C, W in that order."""
+    return [HarnessConfig.from_levels(row) for row in orthogonal_array(LEVELS, len(COMPONENTS))]
+
+
+def held_out_configs(training: Sequence[HarnessConfig], seed: int = 0) -> list[HarnessConfig]:
+    """Evaluation configurations outside ``training``: a translate ``training + t`` (mod 3, per component)
+    by a shift t chosen with ``seed`` among those that make it disjoint from the training set.
+
+    A translate of an orthogonal array is an orthogonal array, so every realization of every component
+    appears equally often (and every pair of realizations too), and its distances mirror the training set's.
+    """
+    train = np.array([c.levels for c in training], dtype=np.int64)
+    for col, comp in enumerate(COMPONENTS):
+        counts = np.bincount(train[:, col], minlength=LEVELS)
+        if len(set(counts.tolist())) != 1:
+            raise ValueError(
+                f"training levels of component {comp} are unbalanced ({counts.tolist()}); "
+                "held-out translates keep the training marginals, so pass a balanced design"
+            )
+    members = {c.levels for c in training}
+    shifts = []
+    for shift in itertools.product(range(LEVELS), repeat=len(COMPONENTS)):
+        if any(shift) and not any(
+            tuple(((train[i] + shift) % LEVELS).tolist()) in members for i in range(len(train))
+        ):
+            shifts.append(shift)
+    if not shifts:
+        raise ValueError("no translate of the training set is disjoint from it")
+    shift = random.Random(seed).choice(shifts)
+    return [HarnessConfig.from_levels((row + shift) % LEVELS) for row in train]
+
+
+def locality_assignment(training: Sequence[HarnessConfig], k: int, rng: random.Random) -> list[HarnessConfig]:
+    """K harnesses for one task: a uniformly random anchor from ``training``, then the K-1 training
+    configurations nearest to it by Hamming distance, ties broken by ``rng``. The scheduler uses entry j at
+    the j-th of K successive steps."""
+    pool = list(dict.fromkeys(training))
+    if not 1 <= k <= len(pool):
+        raise ValueError(f"k={k}: must be between 1 and the {len(pool)} distinct training configurations")
+    anchor = rng.choice(pool)
+    rest = [c for c in pool if c != anchor]
+    tie = {c: rng.random() for c in rest}
+    rest.sort(key=lambda c: (anchor.distance(c), tie[c]))
+    return [anchor, *rest[: k - 1]]
+
+
+# ------------------------------------------------------------------------------------------- tool interface
+@cache
+def _tools_spec() -> dict:
+    text = resources.files("harness_images.whitebox").joinpath("tools.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def tool_name_for(config: HarnessConfig, canonical: str) -> str:
+    """The name under which ``config``'s tool interface offers the canonical tool (``read_file``, ...), so a
+    policy scripted in canonical names can drive any T realization. Arguments keep their canonical names."""
+    names = _tools_spec()["names"][f"T{config.t}"]
+    if canonical not in names:
+        raise ValueError(
+            f"unknown canonical tool {canonical!r}; expected one of {', '.join(CANONICAL_TOOLS)}"
+        )
+    return names[canonical]
+
+
+def offered_tools(config: HarnessConfig) -> list[str]:
+    """Every tool name the harness offers under ``config``, distractors included, in the offered order."""
+    spec = _tools_spec()
+    key = f"T{config.t}"
+    if key in spec["order"]:
+        return list(spec["order"][key])
+    return [spec["names"][key][c] for c in spec["canonical"]]
