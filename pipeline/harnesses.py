@@ -1,0 +1,126 @@
+"""Harness adapters: how to start each harness headless against the proxy (../shared/reference/harnesses.md).
+
+An adapter turns (workspace, home, proxy base URL, rollout token, instruction) into a :class:`Launch`: the argv,
+the environment, and config files to write before starting. The same launch is used by the local backend (a child
+process) and by the Docker backend (inside the container, with container paths). Every adapter keeps the harness
+offline (telemetry off, update checks off), bounds its own retries, and closes stdin.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WHITEBOX = Path(__file__).resolve().parent.parent / "harness_images" / "whitebox" / "harness.py"
+
+
+@dataclass
+class Launch:
+    argv: list[str]
+    env: dict[str, str]
+    files: dict[str, str] = field(default_factory=dict)  # path (absolute, in the sandbox) -> content
+    transcript: str = ""  # where the harness writes its own transcript, if anywhere
+
+
+@dataclass
+class LaunchContext:
+    workspace: str
+    home: str
+    base_url: str  # http://127.0.0.1:PORT (no /v1)
+    token: str
+    instruction: str
+    instruction_file: str = ""  # a file holding the instruction, when the harness reads it from one
+    model: str = "policy"
+    max_turns: int = 30
+    binary: str = ""  # override the harness executable (default: found on PATH / known install dirs)
+    python: str = sys.executable
+
+
+BASE_ENV = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
+
+
+def find_binary(name: str) -> str | None:
+    """A harness executable: in $BRIDLE_HARNESS_BIN (a folder, e.g. an npm prefix's node_modules/.bin), else PATH."""
+    d = os.environ.get("BRIDLE_HARNESS_BIN", "")
+    if d and (Path(d) / name).exists():
+        return str(Path(d) / name)
+    return shutil.which(name)
+
+
+def claude_code(ctx: LaunchContext) -> Launch:
+    binary = ctx.binary or find_binary("claude") or "claude"
+    env = {
+        **BASE_ENV,
+        "HOME": ctx.home,
+        "IS_SANDBOX": "1",  # root + --dangerously-skip-permissions
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "ANTHROPIC_BASE_URL": ctx.base_url,
+        "ANTHROPIC_API_KEY": ctx.token,
+        "ANTHROPIC_MODEL": ctx.model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": ctx.model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": ctx.model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": ctx.model,
+        "CLAUDE_CODE_SUBAGENT_MODEL": f"{ctx.model}-subagent",
+        "CLAUDE_CODE_MAX_RETRIES": "2",
+    }
+    session = str(uuid.uuid4())
+    argv = [binary, "-p", ctx.instruction, "--dangerously-skip-permissions", "--output-format", "stream-json",
+            "--verbose", "--max-turns", str(ctx.max_turns), "--session-id", session]
+    cwd_key = ctx.workspace.replace("/", "-")
+    return Launch(argv, env, transcript=f"{ctx.home}/.claude/projects/{cwd_key}/{session}.jsonl")
+
+
+def codex(ctx: LaunchContext) -> Launch:
+    binary = ctx.binary or find_binary("codex") or "codex"
+    codex_home = f"{ctx.home}/.codex"
+    config = f"""model = "{ctx.model}"
+model_provider = "local"
+approval_policy = "never"
+sandbox_mode = "danger-full-access"
+check_for_update_on_startup = false
+[analytics]
+enabled = false
+[features]
+plugins = false
+[otel]
+metrics_exporter = "none"
+[model_providers.local]
+name = "proxy"
+base_url = "{ctx.base_url}/v1"
+env_key = "BRIDLE_PROXY_KEY"
+wire_api = "responses"
+request_max_retries = 0
+stream_max_retries = 0
+stream_idle_timeout_ms = 300000
+"""
+    env = {**BASE_ENV, "HOME": ctx.home, "CODEX_HOME": codex_home, "BRIDLE_PROXY_KEY": ctx.token}
+    argv = [binary, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "--json",
+            "-C", ctx.workspace, ctx.instruction]
+    return Launch(argv, env, files={f"{codex_home}/config.toml": config}, transcript=f"{codex_home}/sessions")
+
+
+def whitebox(ctx: LaunchContext, config: str = "S0T0O0C0W0", script: str = str(WHITEBOX)) -> Launch:
+    instruction_file = ctx.instruction_file or f"{ctx.home}/instruction.md"
+    files = {} if ctx.instruction_file else {instruction_file: ctx.instruction}
+    argv = [ctx.python, script, "--config", config, "--workspace", ctx.workspace,
+            "--instruction-file", instruction_file, "--base-url", f"{ctx.base_url}/v1", "--model", ctx.model,
+            "--max-turns", str(ctx.max_turns), "--transcript", f"{ctx.home}/transcript.jsonl"]
+    env = {**BASE_ENV, "HOME": ctx.home, "BRIDLE_API_KEY": ctx.token}
+    return Launch(argv, env, files=files, transcript=f"{ctx.home}/transcript.jsonl")
+
+
+def launch_for(harness: str, ctx: LaunchContext) -> Launch:
+    """``harness`` as in RolloutRequest.harness: "claude-code", "codex", "whitebox" or "whitebox:S0T1O2C1W0"."""
+    name, _, variant = harness.partition(":")
+    if name == "claude-code":
+        return claude_code(ctx)
+    if name == "codex":
+        return codex(ctx)
+    if name == "whitebox":
+        return whitebox(ctx, variant or "S0T0O0C0W0")
+    raise ValueError(f'unknown harness "{harness}"; known: claude-code, codex, whitebox[:SxTxOxCxWx]')
