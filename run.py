@@ -62,6 +62,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --replay: actors to run again, fed with the messages they received in the recorded run "
         "(uses the recorded config; --set applies on top); their outputs go to a new run directory",
     )
+    p.add_argument(
+        "--calls", action="store_true", help="with --replay: list every recorded model call (one line each)"
+    )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="with --experiment: start only the engine and the proxy, print one JSON line with openai_base_url, "
+        "anthropic_base_url, token and run_dir, and record every call to the run's event log until Ctrl-C "
+        "(point any harness at it by hand; --replay LOG --calls lists what it recorded)",
+    )
     p.add_argument("--validate", action="store_true", help="check the experiment file and exit")
     p.add_argument("--no-watch", action="store_true", help="do not watch the experiment file for changes")
     return p.parse_args(argv)
@@ -83,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             log_path = Path(args.replay)
             if log_path.is_dir():
                 log_path = log_path / "events.msgpack"
+            if args.calls:
+                print("\n".join(launch.call_lines(log_path)))
+                return 0
             if not args.stage:
                 s = summarize(log_path)
                 print(json.dumps(s.as_dict()) if args.json else launch.summary_text(s))
@@ -102,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path}: ok ({len(exp.graph.actors)} actors)")
             return 0
         rd = launch.prepare(exp, args.run_dir)
+        if args.serve:
+
+            def announce(info: dict) -> None:
+                print(json.dumps(info), flush=True)
+
+            anyio.run(launch.serve, exp, resolve, rd, announce)
+            return 0
         anyio.run(
             lambda: launch.run_experiment(exp, resolve, rd, config_path=None if args.no_watch else path)
         )

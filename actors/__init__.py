@@ -5,4 +5,5 @@ REGISTRY: dict[str, str] = {
     "toy.source": "actors.toy:Source",
     "toy.scale": "actors.toy:Scale",
     "toy.sink": "actors.toy:Sink",
+    "proxy": "actors.proxy:ProxyActor",
 }

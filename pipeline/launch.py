@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import anyio
 import msgspec
@@ -83,7 +83,7 @@ async def run_experiment(
 ) -> Supervisor:
     """Run the graph of ``exp`` to its end. Raises ActorCrashed / Interrupted like Supervisor.run."""
     log = open_event_log(rd, exp)
-    sup = Supervisor(exp, resolve, log, config_path=config_path, handle_signals=handle_signals)
+    sup = Supervisor(exp, resolve, log, config_path=config_path, handle_signals=handle_signals, run_dir=rd.path)
     logs.get_logger(actor="run").info("run started", run_dir=str(rd.path), experiment=exp.name)
     try:
         await sup.run()
@@ -131,7 +131,7 @@ async def replay_stage(
     plan = replay_plan(exp, stage)
     reader = EventLogReader(log_path)
     log = open_event_log(rd, exp, replay_of=str(log_path))
-    sup = Supervisor(exp, resolve, log, handle_signals=True, only=stage, external_inputs=set())
+    sup = Supervisor(exp, resolve, log, handle_signals=True, only=stage, external_inputs=set(), run_dir=rd.path)
     missing = {d for dsts in plan.values() for d in dsts} - set(sup.graph.feeds)
     assert not missing, missing
 
@@ -163,6 +163,51 @@ async def _apply_recorded_change(graph: Graph, exp: cfg.Experiment, change: Conf
     new = msgspec.convert(current, type(actor.config))
     exp.sections[change.section] = new
     await actor.on_config(new, dict(change.changes))
+
+
+async def serve(
+    exp: cfg.Experiment, resolve: Resolver, rd: RunDir, announce: Callable[[dict[str, Any]], None]
+) -> Supervisor:
+    """Engine + proxy only, for recording any harness by hand: ``announce`` gets the endpoints and a token."""
+    names = [n for n, kind in exp.graph.actors.items() if kind == "proxy"]
+    if len(names) != 1:
+        raise cfg.ConfigError(f"--serve: the experiment needs exactly one actor of kind \"proxy\" (found {names})")
+    name = names[0]
+    log = open_event_log(rd, exp)
+    sup = Supervisor(exp, resolve, log, only={name}, external_inputs={name}, run_dir=rd.path)
+    actor: Any = sup.actors[name]
+
+    async def hold_open(graph: Graph) -> None:
+        await actor.ready.wait()
+        token = actor.proxy.open_rollout(f"serve-{rd.path.name}")
+        base = actor.proxy.base_url
+        announce({"openai_base_url": f"{base}/v1", "anthropic_base_url": base, "token": token,
+                  "unix_socket": actor.proxy.unix_socket, "run_dir": str(rd.path), "events": str(rd.events)})
+        await anyio.sleep_forever()
+
+    try:
+        await sup.run(hold_open)
+    finally:
+        log.close()
+    return sup
+
+
+def call_lines(log_path: Path) -> list[str]:
+    """One line per recorded model call (``--replay LOG --calls``)."""
+    from pipeline.messages import CallFailed, ModelCall, ids
+
+    out = []
+    for ev in EventLogReader(log_path):
+        m = ev.msg
+        if isinstance(m, ModelCall):
+            out.append(
+                f"{m.rollout_id:>20s} #{m.seq:<3d} {m.protocol:9s} {m.label:10s} in {len(ids(m.input_ids)):>6d} "
+                f"out {len(ids(m.output_ids)):>5d}  {m.finish_reason:10s} spliced {m.spliced_turns} "
+                f"rendered {m.rendered_turns}  v{m.versions[0].version if m.versions else '?'}"
+            )
+        elif isinstance(m, CallFailed):
+            out.append(f"{m.rollout_id:>20s} #{m.seq:<3d} FAILED: {m.reason}")
+    return out
 
 
 def summary_text(s: Any) -> str:

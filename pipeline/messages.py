@@ -2,9 +2,11 @@
 
 Read top to bottom, this file follows one rollout through the graph (DESIGN.md §1-2):
 
-    Scheduler --RolloutRequest--> SandboxPool --(harness speaks HTTP)--> Proxy --CallStarted/ModelCall/CallFailed-->
+    Scheduler --RolloutRequest--> Proxy (learns the token) --RolloutRequest, ServiceReady--> SandboxPool
+    SandboxPool --(harness speaks HTTP)--> Proxy --CallStarted/ModelCall/CallFailed--> Collector
     Collector <--RolloutFinished-- SandboxPool
-    Collector --SettledRollout--> TreeBuilder --TreeGroup--> Learner --PolicyUpdated--> Scheduler, Proxy
+    Collector --SettledRollout--> TreeBuilder (and Proxy, which forgets the token) --TreeGroup--> Learner
+    Learner --PolicyUpdated--> Proxy (loads the weights into the engine), Scheduler
     anyone --Metric--> Monitor;  ConfigWatcher --ConfigChanged--> (every actor, through the supervisor)
 
 Token ids and log-probabilities travel as raw little-endian arrays in ``bytes`` fields (``I32``/``F32``), not as
@@ -89,6 +91,14 @@ class RolloutRequest(_Msg, kw_only=True):
 
 
 # ---------------------------------------------------------------------------------------------- the proxy
+class ServiceReady(_Msg, kw_only=True):
+    """Proxy -> SandboxPool: where harnesses reach the policy. Sent once, before any RolloutRequest is forwarded."""
+
+    service: str
+    base_url: str  # http://127.0.0.1:PORT (no /v1)
+    unix_socket: str = ""  # the same server on a Unix socket, for sandboxes without a network
+
+
 class CallStarted(_Msg, kw_only=True):
     """Proxy -> Collector: a harness request was authenticated and will reach the engine."""
 
@@ -241,7 +251,7 @@ class GroupDropped(_Msg, kw_only=True):
 
 # ---------------------------------------------------------------------------------------------- learner
 class PolicyUpdated(_Msg, kw_only=True):
-    """Learner -> Scheduler, Proxy: the engine now serves ``version``."""
+    """Learner -> Proxy (which loads ``weights_path`` into the engine), Scheduler (staleness accounting)."""
 
     version: int
     step: int
@@ -283,6 +293,7 @@ class Note(_Msg, kw_only=True):
 
 Message = Union[
     RolloutRequest,
+    ServiceReady,
     CallStarted,
     ModelCall,
     CallFailed,

@@ -72,6 +72,8 @@ class Actor(Generic[C]):
     Config: ClassVar[type[cfg.Section]] = cfg.Section
     outputs: ClassVar[tuple[str, ...]] = ()
 
+    run_dir: Path | None = None  # the run's directory (weights, workspaces, engine logs), set by the supervisor
+
     def __init__(self, name: str, config: C) -> None:
         self.name = name
         self.config: C = config
@@ -141,6 +143,7 @@ def build_graph(
     *,
     only: set[str] | None = None,
     external_inputs: set[str] | None = None,
+    run_dir: Path | None = None,
 ) -> Graph:
     """Instantiate and wire the actors of ``exp``.
 
@@ -153,6 +156,7 @@ def build_graph(
     for n in names:
         cls = resolve(exp.graph.actors[n])
         a = cls(n, exp.sections[n])
+        a.run_dir = run_dir
         for o in cls.outputs:
             a.out[o] = Output(f"{n}.{o}", log)
         actors[n] = a
@@ -189,13 +193,14 @@ class Supervisor:
         handle_signals: bool = True,
         only: set[str] | None = None,
         external_inputs: set[str] | None = None,
+        run_dir: Path | None = None,
     ) -> None:
         self.exp = exp
         self.resolve = resolve
         self.eventlog = log
         self.config_path = config_path
         self.handle_signals = handle_signals
-        self.graph = build_graph(exp, resolve, log, only=only, external_inputs=external_inputs)
+        self.graph = build_graph(exp, resolve, log, only=only, external_inputs=external_inputs, run_dir=run_dir)
         self.log = get_logger(actor="supervisor")
         self.crash: ActorCrashed | None = None
         self.interrupted: Interrupted | None = None

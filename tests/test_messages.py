@@ -12,6 +12,7 @@ SAMPLES = [
         token="secret", policy_version=3, sampling=m.SamplingParams(temperature=0.7, seed=5), timeout_s=30.0,
         purpose="eval",
     ),
+    m.ServiceReady(service="proxy", base_url="http://127.0.0.1:1", unix_socket="/tmp/s"),
     m.CallStarted(rollout_id="r1", call_id="c1", seq=0, t=1.5),
     m.ModelCall(
         rollout_id="r1", call_id="c1", seq=0, protocol="anthropic", label="compaction",
@@ -45,13 +46,18 @@ SAMPLES = [
 ]
 
 
+def sample(t):
+    return next(s for s in SAMPLES if isinstance(s, t))
+
+
 def test_samples_cover_every_message_type():
     assert {type(s) for s in SAMPLES} | {m.SettledRollout} == set(m.MESSAGE_TYPES)
 
 
 def _settled():
     return m.SettledRollout(
-        request=SAMPLES[0], finished=SAMPLES[4], calls=[SAMPLES[2]], failed_calls=[SAMPLES[3]], settle="timeout",
+        request=sample(m.RolloutRequest), finished=sample(m.RolloutFinished), calls=[sample(m.ModelCall)],
+        failed_calls=[sample(m.CallFailed)], settle="timeout",
         aborted_calls=1,
     )
 
@@ -65,15 +71,15 @@ def test_round_trip_msgpack_and_json(msg):
 
 
 def test_arrays_are_compact_and_exact():
-    call = SAMPLES[2]
+    call = sample(m.ModelCall)
     assert len(call.input_ids) == 8192 * 4
     assert m.ids(call.input_ids).tolist() == list(range(8192))
     assert m.ids(call.output_ids).tolist() == [151644, 0, -1, 2**31 - 1]
     assert m.floats(call.logprobs).tolist() == pytest.approx([-0.1, -2.5, 0.0, -30.0])
-    assert m.mask(SAMPLES[5].packed.trainable).tolist() == [False, True, True]
+    assert m.mask(sample(m.TreeGroup).packed.trainable).tolist() == [False, True, True]
     # 8k ids + framing stay close to the raw array size
     assert len(msgspec.msgpack.encode(call)) < 8192 * 4 + 400
 
 
 def test_tag_is_the_class_name():
-    assert msgspec.json.decode(msgspec.json.encode(SAMPLES[7]))["type"] == "PolicyUpdated"
+    assert msgspec.json.decode(msgspec.json.encode(sample(m.PolicyUpdated)))["type"] == "PolicyUpdated"

@@ -1,0 +1,101 @@
+"""Proxy actor: owns the policy engine and the HTTP proxy every harness talks to.
+
+Inbox: RolloutRequest (register the token, then forward to the sandbox pool), SettledRollout (forget the token),
+PolicyUpdated (load the new weights into the engine). Outputs: ``rollouts`` (ServiceReady once, then every
+RolloutRequest), ``calls`` (CallStarted / ModelCall / CallFailed), ``metrics``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import anyio
+import msgspec
+
+from pipeline.config import Section
+from pipeline.engines import EngineSettings, open_engine, open_renderer
+from pipeline.messages import Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
+from pipeline.proxy import Proxy, ProxySettings
+from pipeline.runtime import Actor
+
+
+class ProxyConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = 0
+    unix_socket: str = "auto"  # "auto": a socket in a temp dir (for Docker sandboxes); "": TCP only
+    keepalive_s: float = 5.0
+    max_body_bytes: int = 32 << 20
+    context_len: int = 32768
+    model_name: str = "policy"
+    subagent_model: str = "policy-subagent"
+    update_timeout_s: float = 600.0
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    reloadable = frozenset({"keepalive_s", "update_timeout_s"})
+
+
+class ProxyActor(Actor[ProxyConfig]):
+    Config = ProxyConfig
+    outputs = ("rollouts", "calls", "metrics")
+
+    proxy: Proxy | None = None
+
+    def settings(self) -> ProxySettings:
+        c = self.config
+        sock = c.unix_socket
+        if sock == "auto":
+            sock = os.path.join(tempfile.mkdtemp(prefix="bridle-proxy-"), "proxy.sock")
+        return ProxySettings(host=c.host, port=c.port, unix_socket=sock, keepalive_s=c.keepalive_s,
+                             max_body_bytes=c.max_body_bytes, context_len=c.context_len, model_name=c.model_name,
+                             subagent_model=c.subagent_model)
+
+    async def run(self) -> None:
+        renderer = open_renderer(self.config.engine)
+        run_dir = getattr(self, "run_dir", None)
+        async with open_engine(self.config.engine, renderer, run_dir=run_dir) as engine:
+            self.proxy = Proxy(engine, renderer, self._emit, self.settings())
+            self.proxy.policy_version = self.config.engine.weight_version
+            await self.proxy.start()
+            self.ready.set()
+            try:
+                await self.send("rollouts", ServiceReady(service="proxy", base_url=self.proxy.base_url,
+                                                         unix_socket=self.proxy.unix_socket))
+                if self.inbox is None:
+                    await anyio.sleep_forever()
+                async for msg in self.messages():
+                    if isinstance(msg, RolloutRequest):
+                        self.proxy.register(msg)
+                        await self.send("rollouts", msg)
+                    elif isinstance(msg, SettledRollout):
+                        self.proxy.forget(msg.request.rollout_id)
+                    elif isinstance(msg, PolicyUpdated):
+                        await self._update(engine, msg)
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await self.proxy.stop()
+
+    @property
+    def ready(self) -> anyio.Event:
+        ev = self.__dict__.get("_ready")
+        if ev is None:
+            ev = self.__dict__["_ready"] = anyio.Event()
+        return ev
+
+    async def _emit(self, msg: Any) -> None:
+        await self.send("calls", msg)
+
+    async def _update(self, engine: Any, msg: PolicyUpdated) -> None:
+        assert self.proxy is not None
+        if not msg.weights_path:
+            self.proxy.policy_version = msg.version
+            return
+        with anyio.fail_after(self.config.update_timeout_s):
+            t0 = anyio.current_time()
+            await engine.update_weights(msg.weights_path, msg.version)
+            dt = anyio.current_time() - t0
+        self.proxy.policy_version = msg.version
+        self.log.info("engine weights updated", version=msg.version, seconds=round(dt, 3))
+        if self.out["metrics"].connected:
+            await self.send("metrics", Metric(source=self.name, step=msg.step,
+                                              values={"weight_update_s": dt, "policy_version": msg.version}))
