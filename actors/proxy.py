@@ -68,7 +68,9 @@ class ProxyActor(Actor[ProxyConfig]):
                         self.proxy.register(msg)
                         await self.send("rollouts", msg)
                     elif isinstance(msg, SettledRollout):
-                        self.proxy.forget(msg.request.rollout_id)
+                        for eng, rid in self.proxy.forget(msg.request.rollout_id):
+                            with anyio.move_on_after(5):
+                                await eng.abort(rid)  # stragglers of a rollout settled by timeout
                     elif isinstance(msg, PolicyUpdated):
                         await self._update(engine, msg)
             finally:

@@ -88,6 +88,10 @@ class RolloutRequest(_Msg, kw_only=True):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     timeout_s: float = 600.0
     purpose: Literal["train", "eval", "sft"] = "train"
+    task_path: str = ""  # the task folder (Harbor format) the sandbox lays out and verifies
+    # Scripted rollouts (oracle demonstrations for cold-start SFT, tests): the responses the proxy's scripted engine
+    # plays for this rollout, in pipeline.scripted_engine's neutral form. Empty: the policy engine answers.
+    script: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------- the proxy
@@ -239,6 +243,7 @@ class TreeGroup(_Msg, kw_only=True):
     rollouts: list[RolloutSummary]
     packed: PackedTree
     issued_version: int = 0
+    purpose: Literal["train", "eval", "sft"] = "train"
 
 
 class GroupDropped(_Msg, kw_only=True):

@@ -34,6 +34,7 @@ from pipeline.messages import (
     pack_f32, pack_i32,
 )
 from pipeline.render import Renderer
+from pipeline.scripted_engine import Script, ScriptedEngine, ScriptResponse
 from pipeline.splice import Splicer
 from pipeline.wire import PROTOCOLS, ErrorKind, Protocol, Reply
 
@@ -143,11 +144,23 @@ class Proxy:
         self.unix_socket = ""
         self.render_seconds = 0.0
         self.sampling_defaults = SamplingParams()
+        self.scripted: ScriptedEngine | None = None
 
     # --------------------------------------------------------------------------------- rollout registry
     def register(self, req: RolloutRequest) -> None:
+        if req.script:
+            self._scripted().script.rollouts[req.rollout_id] = msgspec.convert(req.script, list[ScriptResponse])
         self.rollouts[req.token] = RolloutState(req, Splicer(self.renderer))
         self.by_id[req.rollout_id] = req.token
+
+    def _scripted(self) -> ScriptedEngine:
+        """The in-process engine that plays scripted rollouts (oracle demonstrations) next to the policy."""
+        if self.scripted is None:
+            self.scripted = ScriptedEngine(self.renderer, Script(), weight_version=self.policy_version)
+        return self.scripted
+
+    def engine_for(self, st: RolloutState) -> Engine:
+        return self._scripted() if st.request.script else self.engine
 
     def open_rollout(self, rollout_id: str, sampling: SamplingParams | None = None) -> str:
         """Register a rollout by hand (``--serve``, tests) and return its fresh token."""
@@ -158,10 +171,15 @@ class Proxy:
         ))
         return token
 
-    def forget(self, rollout_id: str) -> None:
+    def forget(self, rollout_id: str) -> list[tuple[Engine, str]]:
+        """Stop accepting the rollout's token; returns (engine, rid) of calls still in flight (to abort)."""
         token = self.by_id.pop(rollout_id, None)
-        if token is not None:
-            self.rollouts.pop(token, None)
+        st = self.rollouts.pop(token, None) if token is not None else None
+        if self.scripted is not None:
+            self.scripted.script.rollouts.pop(rollout_id, None)
+        if st is None:
+            return []
+        return [(self.engine_for(st), f"{rollout_id}|{c}") for c in st.pending]
 
     def pending(self, rollout_id: str) -> int:
         token = self.by_id.get(rollout_id)
@@ -331,6 +349,7 @@ class Proxy:
         include_usage: bool,
     ) -> web.StreamResponse:
         req = st.request
+        engine = self.engine_for(st)
         rid = f"{req.rollout_id}|{call_id}"
         model = conv.model or self.settings.model_name
         stream = bool(conv.sampling.stream)
@@ -360,7 +379,7 @@ class Proxy:
         async def run_engine() -> None:
             nonlocal result, error
             try:
-                result = await self.engine.generate(input_ids.tolist(), sampling, rid=rid)
+                result = await engine.generate(input_ids.tolist(), sampling, rid=rid)
             except EngineBadRequest as e:
                 msg = str(e)
                 error = ("context_length" if "context" in msg.lower() or "longer" in msg.lower()
@@ -386,7 +405,7 @@ class Proxy:
                 if gone:
                     disconnected = True
                     with anyio.move_on_after(10):
-                        await self.engine.abort(rid)
+                        await engine.abort(rid)
                     tg.cancel_scope.cancel()
                     break
         engine_end = time.time()

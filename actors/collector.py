@@ -1,0 +1,58 @@
+"""Collector actor: gathers every record of a rollout and emits it once it has settled (pipeline.collector)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from pipeline.collector import SettleSettings, Settler
+from pipeline.config import Section
+from pipeline.messages import Metric, ServiceReady
+from pipeline.runtime import Actor
+
+
+class CollectorConfig(Section):
+    settle_checks: int = 3
+    settle_interval_s: float = 0.5
+    settle_timeout_s: float = 60.0
+    reloadable = frozenset({"settle_checks", "settle_interval_s", "settle_timeout_s"})
+
+
+class Collector(Actor[CollectorConfig]):
+    Config = CollectorConfig
+    outputs = ("settled", "metrics")
+
+    def _settings(self) -> SettleSettings:
+        c = self.config
+        return SettleSettings(checks=c.settle_checks, interval_s=c.settle_interval_s, timeout_s=c.settle_timeout_s)
+
+    async def run(self) -> None:
+        self.settler = Settler(self._settings())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._ticker)
+            async for msg in self.messages():
+                if not isinstance(msg, ServiceReady):
+                    self.settler.add(msg, anyio.current_time())
+            # Inputs closed: everything that can still settle does so by its own clock; then stop ticking.
+            while self.settler.rollouts and any(r.finished for r in self.settler.rollouts.values()):
+                await anyio.sleep(self.config.settle_interval_s / 2)
+            tg.cancel_scope.cancel()
+
+    async def _ticker(self) -> None:
+        while True:
+            await anyio.sleep(min(self.config.settle_interval_s / 2, 0.25))
+            for settled in self.settler.tick(anyio.current_time()):
+                if settled.settle == "timeout":
+                    self.log.warning("rollout settled by timeout", rollout=settled.request.rollout_id,
+                                     stragglers=settled.aborted_calls)
+                await self.send("settled", settled)
+                if self.out["metrics"].connected:
+                    st = self.settler.stats
+                    await self.send("metrics", Metric(source=self.name, values={
+                        "settled": st.settled, "settle_timeouts": st.timed_out, "late_records": st.late_records,
+                        "duplicate_records": st.duplicates}))
+
+    async def on_config(self, new: CollectorConfig, changes: dict[str, Any]) -> None:
+        self.config = new
+        self.settler.settings = self._settings()
