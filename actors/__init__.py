@@ -6,4 +6,10 @@ REGISTRY: dict[str, str] = {
     "toy.scale": "actors.toy:Scale",
     "toy.sink": "actors.toy:Sink",
     "proxy": "actors.proxy:ProxyActor",
+    "scheduler": "actors.scheduler:Scheduler",
+    "sandbox": "actors.sandbox:SandboxPool",
+    "collector": "actors.collector:Collector",
+    "tree": "actors.tree:TreeBuilder",
+    "learner": "actors.learner:LearnerActor",
+    "monitor": "actors.monitor:Monitor",
 }

@@ -42,6 +42,8 @@ class ExperimentSection(Section):
     runs_dir: str = "runs"
     log_level: str = "info"
     description: str = ""
+    # Build a small CPU policy before the run if it is missing (pipeline.quickstart.ModelSpec fields).
+    build_model: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class GraphSection(Section):
@@ -49,6 +51,9 @@ class GraphSection(Section):
     edges: list[str] = msgspec.field(default_factory=list)  # "actor.output -> actor"
     queue_size: int = 64  # default bound of every inbox
     inbox_sizes: dict[str, int] = msgspec.field(default_factory=dict)  # per-actor override
+    # The run is complete once all of these actors returned: the others are then stopped (a cyclic graph such
+    # as scheduler -> ... -> learner -> scheduler never drains by itself). Empty: run until every actor returned.
+    stop_after: list[str] = msgspec.field(default_factory=list)
 
     def parsed_edges(self) -> list[tuple[str, str, str]]:
         out = []
@@ -195,6 +200,9 @@ def load_experiment(
         for n in (src, dst):
             if n not in names:
                 raise ConfigError(f"{source}: [graph].edges names actor \"{n}\", which is not in [graph].actors")
+    for n in graph.stop_after:
+        if n not in names:
+            raise ConfigError(f"{source}: [graph].stop_after names actor \"{n}\", which is not in [graph].actors")
     for name in list(raw):
         if name not in names:
             raise ConfigError(

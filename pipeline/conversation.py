@@ -39,7 +39,9 @@ class ConversionError(ValueError):
 
 class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str
-    arguments: Any = msgspec.field(default_factory=dict)  # dict when the JSON was an object, else the raw string
+    arguments: Any = msgspec.field(
+        default_factory=dict
+    )  # dict when the JSON was an object, else the raw string
     id: str = ""
 
 
@@ -201,7 +203,9 @@ def from_chat(body: dict[str, Any]) -> Conversation:
         where = f"messages[{i}]"
         m = _obj(raw, where)
         role = m.get("role")
-        text, images = _text_parts(m.get("content"), f"{where}.content", ("text", "input_text", "output_text"))
+        text, images = _text_parts(
+            m.get("content"), f"{where}.content", ("text", "input_text", "output_text")
+        )
         if role in ("system", "developer"):
             msgs.append(Message(role="system", content=text, images=images))
         elif role == "user":
@@ -239,7 +243,9 @@ def from_chat(body: dict[str, Any]) -> Conversation:
                 )
             )
         else:
-            raise ConversionError(f"{where}.role: unknown role {role!r} (system/developer/user/assistant/tool)")
+            raise ConversionError(
+                f"{where}.role: unknown role {role!r} (system/developer/user/assistant/tool)"
+            )
     _name_calls(msgs)
     tools = []
     for i, t in enumerate(body.get("tools") or []):
@@ -328,7 +334,9 @@ def from_anthropic(body: dict[str, Any]) -> Conversation:
                     )
                 # redacted_thinking and server-side tool blocks carry nothing the policy produced here
             msgs.append(
-                Message(role="assistant", content="\n".join(texts), thinking="\n".join(thinking), tool_calls=calls)
+                Message(
+                    role="assistant", content="\n".join(texts), thinking="\n".join(thinking), tool_calls=calls
+                )
             )
         else:
             raise ConversionError(f"{where}.role: unknown role {role!r} (user/assistant/system)")
@@ -451,7 +459,9 @@ def from_responses(body: dict[str, Any]) -> Conversation:
             elif role == "user":
                 msgs.append(Message(role="user", content=text, images=images))
             else:
-                raise ConversionError(f"{where}.role: unknown role {role!r} (user/assistant/system/developer)")
+                raise ConversionError(
+                    f"{where}.role: unknown role {role!r} (user/assistant/system/developer)"
+                )
         elif kind == "reasoning":
             parts = it.get("content") or it.get("summary") or []
             text, _ = _text_parts(parts, f"{where}.content", ("reasoning_text", "summary_text", "text"))

@@ -82,6 +82,7 @@ async def run_experiment(
     handle_signals: bool = True,
 ) -> Supervisor:
     """Run the graph of ``exp`` to its end. Raises ActorCrashed / Interrupted like Supervisor.run."""
+    await build_model(exp)
     log = open_event_log(rd, exp)
     sup = Supervisor(exp, resolve, log, config_path=config_path, handle_signals=handle_signals, run_dir=rd.path)
     logs.get_logger(actor="run").info("run started", run_dir=str(rd.path), experiment=exp.name)
@@ -90,6 +91,19 @@ async def run_experiment(
     finally:
         log.close()
     return sup
+
+
+async def build_model(exp: cfg.Experiment) -> None:
+    if not exp.experiment.build_model:
+        return
+    from pipeline.quickstart import ModelSpec, ensure_model
+
+    try:
+        spec = msgspec.convert(exp.experiment.build_model, ModelSpec)
+    except msgspec.ValidationError as e:
+        raise cfg.ConfigError(f"{exp.source}: [experiment.build_model]: {e}") from None
+    logs.get_logger(actor="run").info("preparing the model", path=spec.path)
+    await anyio.to_thread.run_sync(ensure_model, spec)
 
 
 def recorded_experiment(log_path: Path, resolve: Resolver, overrides: list[str] | None = None) -> cfg.Experiment:

@@ -208,6 +208,7 @@ class Supervisor:
         self.refusals = 0
         self._actors_scope: anyio.CancelScope | None = None
         self._watch_stop = anyio.Event()
+        self._waiting_for: set[str] = set()
 
     @property
     def actors(self) -> dict[str, Actor[Any]]:
@@ -241,6 +242,7 @@ class Supervisor:
         with anyio.CancelScope() as scope:
             self._actors_scope = scope
             async with anyio.create_task_group() as tg:
+                self._waiting_for = {n for n in self.exp.graph.stop_after if n in self.actors}
                 for a in self.actors.values():
                     tg.start_soon(self._run_one, a, tg)
                 if feeder is not None:
@@ -283,6 +285,11 @@ class Supervisor:
                     )
             if reason == "done":
                 actor.log.info("actor finished")
+                if actor.name in self._waiting_for:
+                    self._waiting_for.discard(actor.name)
+                    if not self._waiting_for:
+                        self.log.info("run complete; stopping the other actors", after=self.exp.graph.stop_after)
+                        tg.cancel_scope.cancel()
 
     def stop(self) -> None:
         """Cancel every actor (what a signal does)."""

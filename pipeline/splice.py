@@ -22,8 +22,9 @@ interleaving with its parent stays cheap); a request that extends one only rende
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from pipeline.render import Renderer
 from pipeline.toolparse import ParsedOutput, split_thinking
 
 log = get_logger(part="splice")
+
 
 def canonical_args(args: Any) -> str:
     """Tool-call arguments as canonical JSON (sorted keys, no spaces); a non-JSON string stays itself."""
@@ -114,7 +116,11 @@ class Splicer:
         ``prompt_ids`` is the generation prompt the output followed; the renderer's default when omitted.
         """
         out = np.asarray(output_ids, dtype=np.int32)
-        gen = self.renderer.generation_prompt_ids if prompt_ids is None else np.asarray(prompt_ids, dtype=np.int32)
+        gen = (
+            self.renderer.generation_prompt_ids
+            if prompt_ids is None
+            else np.asarray(prompt_ids, dtype=np.int32)
+        )
         text = parsed.text if isinstance(parsed, ParsedOutput) else parsed.content
         key = turn_key(text, parsed.tool_calls)
         self._store.setdefault(key, []).append(
@@ -174,7 +180,9 @@ class Splicer:
             if stored is not None:
                 chunks.append(stored)
                 if len(stored) == 0 or not _ends_with(stored, self._eot_ids):
-                    chunks.append(self._eot_ids)  # cut off by the token limit: the template still closes the turn
+                    chunks.append(
+                        self._eot_ids
+                    )  # cut off by the token limit: the template still closes the turn
                 spliced.append(t.message)
             else:
                 chunks.append(enc(text[t.start : t.end]))
@@ -191,7 +199,13 @@ class Splicer:
         rendered.sort()
         if boundary_ids >= 0:
             self._remember(
-                _Prefix(messages=msgs, tools=tools, ids=ids[:boundary_ids], spliced=spliced[:], rendered=rendered[:])
+                _Prefix(
+                    messages=msgs,
+                    tools=tools,
+                    ids=ids[:boundary_ids],
+                    spliced=spliced[:],
+                    rendered=rendered[:],
+                )
             )
         return RenderResult(
             ids=ids,
@@ -206,7 +220,11 @@ class Splicer:
         self._prefixes = [
             q
             for q in self._prefixes
-            if not (len(q.messages) <= len(p.messages) and q.tools == p.tools and p.messages[: len(q.messages)] == q.messages)
+            if not (
+                len(q.messages) <= len(p.messages)
+                and q.tools == p.tools
+                and p.messages[: len(q.messages)] == q.messages
+            )
         ]
         self._prefixes.append(p)
         if len(self._prefixes) > self.max_prefixes:

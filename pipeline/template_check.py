@@ -68,7 +68,10 @@ class TemplateReport(msgspec.Struct, kw_only=True):
     def describe(self) -> str:
         if self.ok:
             return f"{self.template}: {self.calls} calls over {self.conversations} conversations prefix-consistent"
-        return "\n".join([f"{self.template}: {len(self.divergences)} divergence(s)"] + [d.describe() for d in self.divergences])
+        return "\n".join(
+            [f"{self.template}: {len(self.divergences)} divergence(s)"]
+            + [d.describe() for d in self.divergences]
+        )
 
 
 def sample_conversations() -> list[Conversation]:
@@ -78,14 +81,21 @@ def sample_conversations() -> list[Conversation]:
         Tool(
             name="bash",
             description="Run a shell command.",
-            parameters={"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+            parameters={
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
         ),
         Tool(
             name="edit_file",
             description="Replace text in a file.",
             parameters={
                 "type": "object",
-                "properties": {"path": {"type": "string"}, "edits": {"type": "array", "items": {"type": "object"}}},
+                "properties": {
+                    "path": {"type": "string"},
+                    "edits": {"type": "array", "items": {"type": "object"}},
+                },
             },
         ),
     ]
@@ -104,7 +114,9 @@ def sample_conversations() -> list[Conversation]:
                 ],
             ),
             Message(role="tool", tool_call_id="c1", name="bash", content="test_ünïcode.py\nmain.py"),
-            Message(role="tool", tool_call_id="c2", name="bash", content="def test():\n    assert f() == '✓'"),
+            Message(
+                role="tool", tool_call_id="c2", name="bash", content="def test():\n    assert f() == '✓'"
+            ),
             Message(
                 role="assistant",
                 content="",
@@ -113,7 +125,10 @@ def sample_conversations() -> list[Conversation]:
                     ToolCall(
                         id="c3",
                         name="edit_file",
-                        arguments={"path": "café/main.py", "edits": [{"old": "'x'", "new": "'✓'", "opts": {"n": 1}}]},
+                        arguments={
+                            "path": "café/main.py",
+                            "edits": [{"old": "'x'", "new": "'✓'", "opts": {"n": 1}}],
+                        },
                     )
                 ],
             ),
@@ -142,7 +157,9 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> int:
     return n if len(a) != len(b) else -1
 
 
-def _divergence(renderer: Renderer, conv_i: int, kind: str, expected: np.ndarray, got: np.ndarray, call: int = -1) -> Divergence | None:
+def _divergence(
+    renderer: Renderer, conv_i: int, kind: str, expected: np.ndarray, got: np.ndarray, call: int = -1
+) -> Divergence | None:
     i = _first_diff(expected, got)
     if i < 0:
         return None
@@ -179,7 +196,9 @@ def _sampled_output(renderer: Renderer, conv: Conversation, j: int) -> tuple[np.
     return f"assistant message {j} does not start with the generation prompt {renderer.generation_prompt!r}"
 
 
-def check_conversation(renderer: Renderer, conv: Conversation, conv_i: int = 0) -> tuple[int, list[Divergence]]:
+def check_conversation(
+    renderer: Renderer, conv: Conversation, conv_i: int = 0
+) -> tuple[int, list[Divergence]]:
     splicer = Splicer(renderer)
     found: list[Divergence] = []
     prev: np.ndarray | None = None
@@ -226,7 +245,7 @@ def startup_check(renderer: Renderer, conversations: list[Conversation] | None =
     """Run the check for the served model; log a warning with the diff when it fails. Never raises."""
     try:
         report = check_template(renderer, conversations)
-    except Exception as e:  # a user's template may fail on our samples; that must not stop the proxy
+    except Exception as e:  # noqa: BLE001 - a user template may fail on our samples; the proxy must start anyway
         log.warning("template_check_failed", error=f"{type(e).__name__}: {e}")
         return TemplateReport(
             template=type(renderer).__name__,

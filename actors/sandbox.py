@@ -1,0 +1,89 @@
+"""SandboxPool actor: runs each RolloutRequest in a fresh sandbox and reports RolloutFinished.
+
+Inbox: ServiceReady (where the proxy listens; requests wait for it), RolloutRequest (already registered with the
+proxy). Outputs: ``finished`` (to the collector and the scheduler), ``metrics``. ``concurrency`` is hot-reloadable:
+it resizes the pool's limiter in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import anyio
+import msgspec
+
+from pipeline.config import Section
+from pipeline.messages import Metric, RolloutFinished, RolloutRequest, ServiceReady
+from pipeline.runtime import Actor
+from pipeline.sandbox import LocalBackend, LocalSettings, SandboxBackend
+from pipeline.tasks import TaskError, load_task
+
+
+class SandboxConfig(Section):
+    backend: Literal["local", "docker"] = "local"
+    concurrency: int = 4
+    local: LocalSettings = msgspec.field(default_factory=LocalSettings)
+    docker: dict[str, Any] = msgspec.field(default_factory=dict)  # pipeline.sandbox.DockerSettings fields
+    reloadable = frozenset({"concurrency"})
+
+
+class SandboxPool(Actor[SandboxConfig]):
+    Config = SandboxConfig
+    outputs = ("finished", "metrics")
+
+    def _backend(self, run_id: str) -> SandboxBackend:
+        if self.config.backend == "local":
+            return LocalBackend(self.config.local, run_id=run_id)
+        from pipeline.sandbox import DockerBackend, DockerSettings
+
+        return DockerBackend(msgspec.convert(self.config.docker, DockerSettings), run_id=run_id)
+
+    async def run(self) -> None:
+        run_id = self.run_dir.name if self.run_dir is not None else "bridle"
+        backend = self._backend(run_id)
+        self.limiter = anyio.CapacityLimiter(self.config.concurrency)
+        self.running = 0
+        service: ServiceReady | None = None
+        waiting: list[RolloutRequest] = []
+        await backend.start()
+        try:
+            async with anyio.create_task_group() as tg:
+                async for msg in self.messages():
+                    if isinstance(msg, ServiceReady):
+                        service = msg
+                        for req in waiting:
+                            tg.start_soon(self._one, backend, req, service)
+                        waiting.clear()
+                    elif isinstance(msg, RolloutRequest):
+                        if service is None:
+                            waiting.append(msg)
+                        else:
+                            tg.start_soon(self._one, backend, msg, service)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                await backend.aclose()
+
+    async def _one(self, backend: SandboxBackend, req: RolloutRequest, service: ServiceReady) -> None:
+        async with self.limiter:
+            self.running += 1
+            try:
+                try:
+                    task = load_task(req.task_path)
+                except TaskError as e:
+                    fin = RolloutFinished(rollout_id=req.rollout_id, group_id=req.group_id, status="sandbox_error",
+                                          details=f"task {req.task_path}: {e}")
+                else:
+                    fin = await backend.run(req, task, proxy_url=service.base_url, proxy_socket=service.unix_socket)
+            finally:
+                self.running -= 1
+        self.log.info("rollout finished", rollout=req.rollout_id, status=fin.status, reward=fin.reward)
+        await self.send("finished", fin)
+        if self.out["metrics"].connected:
+            await self.send("metrics", Metric(source=self.name, values={
+                "rollouts_running": self.running, "reward": fin.reward, "ok": float(fin.status == "ok")}))
+
+    async def on_config(self, new: SandboxConfig, changes: dict[str, Any]) -> None:
+        self.config = new
+        if "concurrency" in changes:
+            self.limiter.total_tokens = new.concurrency
+            self.log.info("sandbox concurrency changed", concurrency=new.concurrency)
