@@ -32,9 +32,11 @@ class LearnerActorConfig(Section):
     groups_per_step: int = 2  # must equal [scheduler].groups_per_step
     steps: int = 10  # RL steps; the actor returns after the last one (use [graph].stop_after = ["learner"])
     max_staleness: int = 1  # groups older than this many steps are dropped (a backstop: the scheduler bounds it)
-    sft_groups: int = 0  # cold-start SFT: wait for this many demonstration groups, then train on them
+    # Cold-start SFT: wait for this many demonstration packs (TreeGroups or drops named "sftpack…", each
+    # [tree].sft_pack rollouts: [scheduler].sft_groups x sft_group_size = sft_packs x [tree].sft_pack), then train.
+    sft_packs: int = 0
     sft_epochs: int = 10
-    sft_batch_groups: int = 4
+    sft_batch_groups: int = 1  # demonstration packs ([tree].sft_pack rollouts each) per SFT update
     checkpoint_every: int = 0  # RL steps between checkpoints (0: only at the end)
     keep_weights: int = 2  # weight folders kept in runs/<run>/weights
     train: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
@@ -57,17 +59,20 @@ class LearnerActor(Actor[LearnerActorConfig]):
         received = 0
         batch: list[TreeGroup] = []
         sft: list[TreeGroup] = []
-        sft_done = c.sft_groups == 0
+        sft_done = c.sft_packs == 0
+        packs_seen = 0
         self.log.info("learner ready", model=str(self.model_dir), reduced_vocab=self.vocab is not None)
         async for msg in self.messages():
-            if isinstance(msg, TreeGroup) and msg.purpose == "sft":
-                sft.append(self._compact(msg))
-                if len(sft) >= c.sft_groups and not sft_done:
+            is_pack = msg.group_id.startswith("sftpack") if isinstance(msg, (TreeGroup, GroupDropped)) else False
+            if is_pack:
+                packs_seen += 1
+                if isinstance(msg, TreeGroup):
+                    sft.append(self._compact(msg))
+                else:
+                    self.log.warning("demonstration pack dropped", group=msg.group_id, reason=msg.reason)
+                if packs_seen >= c.sft_packs and not sft_done:
                     await self._cold_start(sft)
                     sft_done = True
-                continue
-            if isinstance(msg, GroupDropped) and msg.group_id.startswith("sft"):
-                self.log.warning("demonstration group dropped", group=msg.group_id, reason=msg.reason)
                 continue
             if not isinstance(msg, (TreeGroup, GroupDropped)):
                 continue
@@ -96,14 +101,15 @@ class LearnerActor(Actor[LearnerActorConfig]):
     async def _cold_start(self, groups: list[TreeGroup]) -> None:
         c = self.config
         rng = random.Random(c.train.seed)
-        self.log.info("cold-start SFT", groups=len(groups), epochs=c.sft_epochs)
+        self.log.info("cold-start SFT", packs=len(groups), demos=sum(len(g.rollouts) for g in groups),
+                      epochs=c.sft_epochs)
         for epoch in range(c.sft_epochs):
             order = list(groups)
             rng.shuffle(order)
             for i in range(0, len(order), c.sft_batch_groups):
                 m = await anyio.to_thread.run_sync(self.learner.sft_step, order[i:i + c.sft_batch_groups])
                 await self._metric({**m, "sft_epoch": epoch}, phase="sft")
-        await self._publish({"sft_groups": len(groups)})
+        await self._publish({"sft_demos": sum(len(g.rollouts) for g in groups)})
 
     async def _rl_step(self, batch: list[TreeGroup]) -> None:
         self.steps_done += 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config import Section
-from pipeline.messages import GroupDropped, Metric, SettledRollout
-from pipeline.packing import build_group
+from pipeline.messages import GroupDropped, Metric, SettledRollout, TreeGroup
+from pipeline.packing import build_group, pack_demonstrations
 from pipeline.runtime import Actor
 from pipeline.tree import TreeOptions
 
@@ -14,7 +14,8 @@ from pipeline.tree import TreeOptions
 class TreeConfig(Section):
     max_leaves: int = 32  # over-branching: rollouts with more trained leaves are discarded
     include_aux: bool = False  # train subagent and compaction calls too
-    reloadable = frozenset({"max_leaves", "include_aux"})
+    sft_pack: int = 8  # demonstrations (purpose "sft") packed into one tree across tasks; shared prompt once
+    reloadable = frozenset({"max_leaves", "include_aux", "sft_pack"})
 
 
 class TreeBuilder(Actor[TreeConfig]):
@@ -23,8 +24,18 @@ class TreeBuilder(Actor[TreeConfig]):
 
     async def run(self) -> None:
         waiting: dict[str, list[SettledRollout]] = {}
+        demos: list[SettledRollout] = []
+        packs = 0
         async for msg in self.messages():
             if not isinstance(msg, SettledRollout):
+                continue
+            if msg.request.purpose == "sft":
+                demos.append(msg)
+                if len(demos) >= self.config.sft_pack:
+                    out = pack_demonstrations(demos, f"sftpack{packs:04d}", self._options())
+                    packs += 1
+                    demos = []
+                    await self.send("groups" if isinstance(out, TreeGroup) else "dropped", out)
                 continue
             gid = msg.request.group_id
             group = waiting.setdefault(gid, [])
@@ -32,8 +43,7 @@ class TreeBuilder(Actor[TreeConfig]):
             if len(group) < msg.request.group_size:
                 continue
             del waiting[gid]
-            build = build_group(group, TreeOptions(max_leaves=self.config.max_leaves,
-                                                   include_aux=self.config.include_aux))
+            build = build_group(group, self._options())
             out = build.message
             if isinstance(out, GroupDropped):
                 self.log.info("group dropped", group=gid, reason=out.reason)
@@ -47,6 +57,9 @@ class TreeBuilder(Actor[TreeConfig]):
                 await self.send("metrics", self._metric(build, group))
         if waiting:
             self.log.warning("inputs ended with incomplete groups", groups=len(waiting))
+
+    def _options(self) -> TreeOptions:
+        return TreeOptions(max_leaves=self.config.max_leaves, include_aux=self.config.include_aux)
 
     def _metric(self, build: Any, group: list[SettledRollout]) -> Metric:
         v: dict[str, float] = {"group_rollouts": len(group)}

@@ -11,7 +11,8 @@ and sends ``str(version)``, so :meth:`GenerateResult.spans` turns them back into
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -36,7 +37,7 @@ class Sampling(msgspec.Struct, kw_only=True, frozen=True):
     seed: int | None = None
 
     @classmethod
-    def from_params(cls, p: SamplingParams, stop_token_ids: Sequence[int] = ()) -> "Sampling":
+    def from_params(cls, p: SamplingParams, stop_token_ids: Sequence[int] = ()) -> Sampling:
         return cls(
             temperature=p.temperature,
             top_p=p.top_p,
@@ -76,14 +77,17 @@ class GenerateResult(msgspec.Struct, kw_only=True):
     rid: str
     output_ids: list[int]
     logprobs: list[float]
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None  # None only in an unfinished streaming snapshot
     matched_stop: int | None = None
     weight_version: str = ""
     version_spans: list[tuple[int, str]] = msgspec.field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    finished: bool = True  # False only for intermediate streaming snapshots
     meta: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     def spans(self) -> list[VersionSpan]:
         """``version_spans`` with integer versions, as :class:`pipeline.messages.ModelCall` records them."""

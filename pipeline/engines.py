@@ -24,7 +24,7 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_thinking: bool = False
     weight_version: int = 0
     max_running_requests: int = 32
-    threads: int = 0  # embedded: torch threads (0 = all cores)
+    threads: int = 0  # embedded: torch threads (0 = half the cores)
     context_len: int = 0  # 0: the model's own
     sglang_args: list[str] = msgspec.field(default_factory=list)
     log_path: str = ""

@@ -288,3 +288,26 @@ def visible(packed: PackedTree) -> np.ndarray:
     i = np.arange(se.shape[0])[:, None]
     j = np.arange(se.shape[0])[None, :]
     return (j <= i) & (i < se[None, :])
+
+
+def pack_demonstrations(
+    rollouts: Sequence[SettledRollout], group_id: str, options: TreeOptions | None = None
+) -> TreeGroup | GroupDropped:
+    """Cold-start SFT data: demonstrations of *different* tasks packed into one tree.
+
+    There are no advantages to compute, so group boundaries do not matter, and the prompt every demonstration
+    shares (system prompt + tool definitions, often most of the tokens) is stored and computed once.
+    """
+    trees = [build_tree(r, options or TreeOptions()) for r in rollouts]
+    valid = [t for t in trees if t.valid]
+    if not valid:
+        return GroupDropped(group_id=group_id, reason=f"none of {len(trees)} demonstrations is usable")
+    return TreeGroup(
+        group_id=group_id,
+        task_id="*",
+        harness=rollouts[0].request.harness,
+        rollouts=[t.summary() for t in valid],
+        packed=pack_trees(valid),
+        issued_version=min(r.request.policy_version for r in rollouts),
+        purpose="sft",
+    )

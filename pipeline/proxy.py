@@ -376,25 +376,28 @@ class Proxy:
         error: tuple[ErrorKind, str] | None = None
         disconnected = False
 
+        done = anyio.Event()
+
         async def run_engine() -> None:
             nonlocal result, error
             try:
-                result = await engine.generate(input_ids.tolist(), sampling, rid=rid)
+                result = await engine.generate(input_ids, sampling, rid=rid)
             except EngineBadRequest as e:
                 msg = str(e)
                 error = ("context_length" if "context" in msg.lower() or "longer" in msg.lower()
                          else "invalid_request", msg)
             except EngineError as e:
                 error = ("server", f"engine failed: {e}")
+            finally:
+                done.set()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_engine)
             # Heartbeat / disconnect watch while the engine works; a dropped client aborts the engine request.
-            while result is None and error is None:
+            while not done.is_set():
                 with anyio.move_on_after(self.settings.keepalive_s if stream else 0.5):
-                    while result is None and error is None:
-                        await anyio.sleep(0.005)
-                if result is not None or error is not None:
+                    await done.wait()
+                if done.is_set():
                     break
                 gone = request.transport is None or request.transport.is_closing()
                 if not gone and stream and resp is not None:

@@ -1,0 +1,577 @@
+"""Proxy overhead: the latency bridle's capturing proxy adds and the throughput it keeps, next to LiteLLM's proxy.
+
+    python benchmarks/proxy.py                         # levels 1 16 64, ~300 requests per level and target
+    python benchmarks/proxy.py --levels 1 64 --requests 200 --no-litellm
+    python benchmarks/proxy.py --py-spy /tmp/bridle.json # also profile the bridle proxy (pip install py-spy;
+                                                       # .json = speedscope, .svg = flamegraph)
+
+Set-up (every process alone on its own event loop, everything on 127.0.0.1):
+
+- engine: ``benchmarks/_zero_engine.py``, an HTTP server that answers instantly with the ids of "OK"+<|im_end|>.
+  It serves SGLang's native ``/generate`` (for bridle) and an OpenAI ``/v1/chat/completions`` that streams.
+- direct: the load client calls the engine's ``/v1/chat/completions`` (stream=true) itself — the baseline.
+- bridle: ``pipeline.proxy.Proxy`` over ``pipeline.sglang_client.HttpEngine`` pointed at the engine's
+  ``/generate``, started by this script in its own process (``--serve-bridle``), one rollout token per client.
+- LiteLLM: ``litellm --config`` forwarding model "policy" to the engine's ``/v1/chat/completions``
+  (one worker, master key from ``LITELLM_MASTER_KEY``, set here to a throwaway value).
+- load client: its own process (``--client``), aiohttp, N closed-loop workers, each request a streaming chat
+  completion with a ~2k-token prompt (a long user message made unique per request, so nothing is cached).
+
+Reported per level: direct p50 and requests/s; added latency = p50 (p99) via the proxy minus p50 (p99) direct;
+throughput via the proxy as a % of direct; bridle's render time (chat template + tokenization, Splicer.render) per
+call as the proxy measured it (``Proxy.render_seconds`` / calls). Goals: <= 1 ms p50 added at one client not
+counting rendering, >= 40 % of direct throughput at 64 clients. A second table says where the time goes: CPU
+seconds per request of each server process (from /proc, so it holds on a busy machine where wall-clock numbers
+swing) and bridle's per-call phases from ``ModelCall.timings``. Wall-clock numbers need a quiet machine with a
+core per process; on a shared 2-core box compare the CPU column.
+
+LiteLLM is a benchmark-only dependency and is not in pyproject.toml. Installing ``litellm[proxy]`` into bridle's
+environment changes the versions of installed packages (huggingface-hub, rich, python-dateutil), so install it in
+a venv of its own and point ``--litellm`` at its binary (the default looks in /work/venv-litellm, then PATH)::
+
+    python3 -m venv /work/venv-litellm && /work/venv-litellm/bin/pip install 'litellm[proxy]'
+
+Without it the LiteLLM columns show "-" and a message says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import queue
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve()
+SYSTEM = "You are a helpful assistant. Answer briefly."
+MODEL = "policy"
+LITELLM_DEFAULT = Path("/work/venv-litellm/bin/litellm")
+
+# ---------------------------------------------------------------------------------------------- prompts
+_WORD_TEXT = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
+    "you were her she there been one all we their has would when if so no will more can said some into time only "
+    "function return value error file line import class module request server client token engine proxy stream "
+    "latency throughput render template message assistant system user tool call result output input buffer queue"
+)
+
+
+def long_text(n_words: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    words = _WORD_TEXT.split()
+    lines, line = [], []
+    for i in range(n_words):
+        line.append(rng.choice(words))
+        if len(line) == 14 or i == n_words - 1:
+            lines.append(" ".join(line) + ".")
+            line = []
+    return "\n".join(lines)
+
+
+def user_message(prompt: str, tag: str) -> str:
+    return f"Request {tag}. Summarize the following notes in one word.\n\n{prompt}"
+
+
+def chat_body(prompt: str, tag: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_message(prompt, tag)}],
+        "stream": True,
+        "max_tokens": max_tokens,
+    }
+
+
+def build_prompt(target_tokens: int) -> tuple[str, int]:
+    """A long user text whose rendered chat prompt is about ``target_tokens`` tokens; (text, rendered length)."""
+    sys.path.insert(0, str(ROOT))
+    from pipeline.conversation import from_chat
+    from pipeline.render import qwen3_renderer
+
+    r = qwen3_renderer()
+    n_words = target_tokens
+    for _ in range(6):
+        text = long_text(n_words)
+        n = len(r.render_ids(from_chat(chat_body(text, "0-x-0-0", 16))))
+        if abs(n - target_tokens) <= 8:
+            break
+        n_words = max(1, round(n_words * target_tokens / n))
+    return text, n
+
+
+def offline_render_ms(prompt: str, n: int = 40) -> float:
+    """Mean Splicer.render time in this (quiet) process, fresh conversation each time, for reference."""
+    from pipeline.conversation import from_chat
+    from pipeline.render import qwen3_renderer
+    from pipeline.splice import Splicer
+
+    sp = Splicer(qwen3_renderer())
+    convs = [from_chat(chat_body(prompt, f"offline-{i}", 16)) for i in range(n + 3)]
+    for c in convs[:3]:
+        sp.render(c)
+    t0 = time.perf_counter()
+    for c in convs[3:]:
+        sp.render(c)
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+# ------------------------------------------------------------------------------------------ load client
+async def run_client(url: str, tokens: list[str], concurrency: int, requests: int, warmup: int, prompt: str,
+                     tag: str, max_tokens: int) -> dict[str, Any]:
+    import aiohttp
+
+    total = warmup + requests
+    bodies = [json.dumps(chat_body(prompt, f"{tag}-{i}", max_tokens)).encode() for i in range(total)]
+    headers = [{"Content-Type": "application/json", **({"Authorization": f"Bearer {tokens[w % len(tokens)]}"}
+                                                        if tokens else {})} for w in range(concurrency)]
+    lat: list[float] = []
+    errors: list[str] = []
+    next_i = 0
+
+    async def worker(w: int, stop: int, keep: bool) -> None:
+        nonlocal next_i
+        while next_i < stop:
+            i = next_i
+            next_i += 1
+            t0 = time.perf_counter()
+            try:
+                async with session.post(url, data=bodies[i], headers=headers[w]) as resp:
+                    data = await resp.read()
+                    status = resp.status
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            t1 = time.perf_counter()
+            if status != 200 or b"OK" not in data:
+                errors.append(f"HTTP {status}: {data[:300]!r}")
+            elif keep:
+                lat.append(t1 - t0)
+
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
+        await asyncio.gather(*(worker(w, warmup, False) for w in range(concurrency)))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w, total, True) for w in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {"latencies": lat, "wall": wall, "errors": len(errors), "first_errors": errors[:3]}
+
+
+def client_main(args: argparse.Namespace) -> None:
+    url, token_file, prompt_file = args.client
+    tokens = json.loads(Path(token_file).read_text()) if token_file != "-" else []
+    prompt = Path(prompt_file).read_text()
+    res = asyncio.run(run_client(url, tokens, args.concurrency, args.requests, args.warmup, prompt, args.tag,
+                                 args.max_tokens))
+    print("CLIENT-RESULT " + json.dumps(res), flush=True)
+
+
+# ------------------------------------------------------------------------------------- bridle proxy side
+async def serve_bridle(port: int, engine_url: str, rollouts: int) -> None:
+    import anyio
+
+    from pipeline.logs import configure
+    from pipeline.messages import ModelCall
+    from pipeline.proxy import Proxy, ProxySettings
+    from pipeline.render import qwen3_renderer
+    from pipeline.sglang_client import HttpEngine
+
+    configure(level="info")  # what a run uses; per-call logs are debug
+    # per-call phases from ModelCall.timings: before the engine (auth, JSON, conversion, render, stream head),
+    # the engine call as the proxy waits for it, after it (parse, answer, write)
+    stats = {"calls": 0, "pre_s": 0.0, "engine_s": 0.0, "post_s": 0.0}
+
+    async def emit(m: Any) -> None:
+        if isinstance(m, ModelCall):
+            t = m.timings
+            stats["calls"] += 1
+            stats["pre_s"] += t.engine_start - t.received
+            stats["engine_s"] += t.engine_end - t.engine_start
+            stats["post_s"] += t.sent - t.engine_end
+
+    engine = HttpEngine(engine_url, timeout_s=60.0)
+    proxy = Proxy(engine, qwen3_renderer(), emit, ProxySettings(port=port))
+    await proxy.start()
+    tokens = [proxy.open_rollout(f"bench-{i}") for i in range(rollouts)]
+    print("BRIDLE-READY " + json.dumps({"base_url": proxy.base_url, "tokens": tokens}), flush=True)
+    try:
+        while True:  # commands from the parent on stdin; EOF ends the server
+            line = (await anyio.to_thread.run_sync(sys.stdin.readline)).strip()
+            if not line or line == "quit":
+                break
+            if line == "stats":
+                print("BRIDLE-STATS " + json.dumps({**stats, "render_seconds": proxy.render_seconds}), flush=True)
+    finally:
+        await proxy.stop()
+        await engine.aclose()
+
+
+def serve_bridle_main(args: argparse.Namespace) -> None:
+    import anyio
+
+    sys.path.insert(0, str(ROOT))
+    port, engine_url = args.serve_bridle
+    anyio.run(serve_bridle, int(port), engine_url, args.rollouts)
+
+
+# ------------------------------------------------------------------------------------------ orchestration
+class Child:
+    """A child process whose stdout we read line by line for marker lines."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None = None, stdin: bool = False,
+                 log_dir: Path | None = None) -> None:
+        self.name = name
+        self.log_path = (log_dir / f"{name}.stderr.log") if log_dir else None
+        with open(self.log_path or os.devnull, "wb") as err:  # the child keeps its own copy of the handle
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err,
+                                         stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                         env={**os.environ, **(env or {})}, cwd=str(ROOT), text=True, bufsize=1)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_line(self, marker: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                raise RuntimeError(f"{self.name}: no '{marker.strip()}' line within {timeout:.0f} s "
+                                   f"(exit code {self.proc.poll()}; stderr in {self.log_path})")
+            if line.startswith(marker):
+                return line[len(marker):].strip()
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
+                else:
+                    self.proc.terminate()
+                self.proc.wait(timeout=grace)
+            except (subprocess.TimeoutExpired, BrokenPipeError):
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants (Linux /proc; NaN elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    stats: dict[int, tuple[int, float]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return float("nan")
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{e}/stat").read_text()
+        except OSError:
+            continue
+        f = raw[raw.rindex(")") + 2:].split()  # fields after "pid (comm)"
+        stats[int(e)] = (int(f[1]), (int(f[11]) + int(f[12])) / tick)
+    if pid not in stats:
+        return float("nan")
+    total, todo = 0.0, [pid]
+    while todo:
+        q = todo.pop()
+        total += stats[q][1]
+        todo += [c for c, (ppid, _) in stats.items() if ppid == q]
+    return total
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_litellm(arg: str | None) -> tuple[str | None, str]:
+    """(binary, why not) for the LiteLLM proxy."""
+    if arg == "none":
+        return None, "skipped (--no-litellm)"
+    for cand in ([arg] if arg else [str(LITELLM_DEFAULT), shutil.which("litellm") or ""]):
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return cand, ""
+    return None, ("litellm not installed: python3 -m venv /work/venv-litellm && "
+                  "/work/venv-litellm/bin/pip install 'litellm[proxy]'  (or pass --litellm PATH)")
+
+
+def start_litellm(binary: str, engine_url: str, tmp: Path) -> tuple[Child, str, str]:
+    port = free_port()
+    key = "sk-bridle-bench"
+    cfg = tmp / "litellm.yaml"
+    cfg.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: {engine_url}/v1\n"
+        "      api_key: sk-zero\n"
+        "litellm_settings:\n"
+        "  drop_params: true\n"
+        "  telemetry: false\n"
+        "general_settings:\n"
+        "  master_key: os.environ/LITELLM_MASTER_KEY\n"
+    )
+    env = {"LITELLM_MASTER_KEY": key, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
+           "LITELLM_TELEMETRY": "False", "DISABLE_ADMIN_UI": "True", "NO_DOCS": "True", "PYTHONUNBUFFERED": "1"}
+    child = Child("litellm", [binary, "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
+                              "--num_workers", "1"], env=env, log_dir=tmp)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    import urllib.request
+
+    while time.monotonic() < deadline:
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"litellm exited with {child.proc.returncode}; see {child.log_path}")
+        try:
+            with urllib.request.urlopen(url + "/health/liveliness", timeout=2) as r:
+                if r.status == 200:
+                    return child, url, key
+        except OSError:
+            pass
+        time.sleep(0.5)
+    child.stop()
+    raise RuntimeError(f"litellm did not answer /health/liveliness within 180 s; see {child.log_path}")
+
+
+def run_level(url: str, token_file: str, prompt_file: Path, concurrency: int, requests: int, tag: str,
+              max_tokens: int) -> dict[str, Any]:
+    cmd = [sys.executable, str(HERE), "--client", url, token_file, str(prompt_file),
+           "--concurrency", str(concurrency), "--requests", str(requests),
+           "--warmup", str(max(2 * concurrency, 8)), "--tag", tag, "--max-tokens", str(max_tokens)]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    for line in out.stdout.splitlines():
+        if line.startswith("CLIENT-RESULT "):
+            return json.loads(line[len("CLIENT-RESULT "):])
+    raise RuntimeError(f"client for {url} failed (exit {out.returncode}): {out.stderr[-2000:]}")
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def fmt(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.{nd}f}"
+
+
+def bench(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(ROOT))
+    from pipeline.tokenizer import QwenTokenizer
+
+    ids = QwenTokenizer().encode("OK<|im_end|>")
+    prompt, n_prompt = build_prompt(args.prompt_tokens)
+    render_offline = offline_render_ms(prompt)
+    litellm_bin, litellm_why = find_litellm("none" if args.no_litellm else args.litellm)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bridle-proxy-bench-"))
+    prompt_file = tmp / "prompt.txt"
+    prompt_file.write_text(prompt)
+    children: list[Child] = []
+    try:
+        engine = Child("engine", [sys.executable, str(ROOT / "benchmarks" / "_zero_engine.py"),
+                                  "--ids", *map(str, ids), "--text", "OK"], log_dir=tmp)
+        children.append(engine)
+        engine_url = engine.wait_line("ENGINE-READY ", 60)
+
+        serve_cmd = [sys.executable, str(HERE), "--serve-bridle", "0", engine_url, "--rollouts", str(max(args.levels))]
+        if args.py_spy:
+            spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            serve_cmd = [spy, "record", "--nonblocking", "--rate", "250", "-o", args.py_spy, "--format",
+                         "speedscope" if args.py_spy.endswith(".json") else "flamegraph", "--", *serve_cmd]
+        bridle = Child("bridle", serve_cmd, stdin=True, log_dir=tmp)
+        children.append(bridle)
+        ready = json.loads(bridle.wait_line("BRIDLE-READY ", 120))
+        bridle_tokens = tmp / "bridle_tokens.json"
+        bridle_tokens.write_text(json.dumps(ready["tokens"]))
+
+        targets: dict[str, tuple[str, str]] = {
+            "direct": (engine_url + "/v1/chat/completions", "-"),
+            "bridle": (ready["base_url"] + "/v1/chat/completions", str(bridle_tokens)),
+        }
+        if litellm_bin:
+            try:
+                lchild, lurl, key = start_litellm(litellm_bin, engine_url, tmp)
+                children.append(lchild)
+                (tmp / "litellm_tokens.json").write_text(json.dumps([key]))
+                targets["litellm"] = (lurl + "/v1/chat/completions", str(tmp / "litellm_tokens.json"))
+            except RuntimeError as e:
+                litellm_why = f"LiteLLM proxy failed to start: {e}"
+        print(f"prompt: {n_prompt} tokens rendered; answer ids {ids}; engine {engine_url}; "
+              f"bridle {ready['base_url']}; LiteLLM {targets.get('litellm', ('-',))[0] if 'litellm' in targets else litellm_why}",
+              flush=True)
+
+        procs = {"engine": engine, "bridle": bridle, **({"litellm": children[-1]} if "litellm" in targets else {})}
+        rows = []
+        for level in args.levels:
+            n = max(args.requests, 4 * level)
+            per_round = max(level, n // args.rounds)
+            pooled: dict[str, dict[str, Any]] = {t: {"lat": [], "wall": 0.0, "n": 0, "errors": 0} for t in targets}
+            cpu: dict[str, float] = {k: 0.0 for k in [*procs, *("engine:" + t for t in targets)] if k != "engine"}
+            cpu_n: dict[str, int] = {k: 0 for k in cpu}
+            phases = {"render_seconds": 0.0, "calls": 0, "pre_s": 0.0, "engine_s": 0.0, "post_s": 0.0}
+            for rnd in range(args.rounds):
+                order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
+                for t in order:
+                    url, tok = targets[t]
+                    if t == "bridle":
+                        bridle.send("stats")
+                        before = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
+                    cpu0 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
+                    r = run_level(url, tok, prompt_file, level, per_round, f"{level}-{t}-{rnd}", args.max_tokens)
+                    cpu1 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
+                    done = r["errors"] + len(r["latencies"]) + max(2 * level, 8)  # warm-up requests count too
+                    # CPU per request of the server in the path: the proxy for bridle/LiteLLM, the engine always
+                    if t in procs:
+                        cpu[t] += cpu1[t] - cpu0[t]
+                        cpu_n[t] += done
+                    cpu["engine:" + t] += cpu1["engine"] - cpu0["engine"]
+                    cpu_n["engine:" + t] += done
+                    if t == "bridle":
+                        bridle.send("stats")
+                        after = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
+                        for k in phases:
+                            phases[k] += after[k] - before[k]
+                    p = pooled[t]
+                    p["lat"] += r["latencies"]
+                    p["wall"] += r["wall"]
+                    p["n"] += len(r["latencies"])
+                    p["errors"] += r["errors"]
+                    if r["errors"]:
+                        print(f"  {t} @ {level}: {r['errors']} errors, e.g. {r['first_errors'][:2]}", flush=True)
+            row: dict[str, Any] = {"level": level,
+                                   "cpu_ms": {k: 1e3 * cpu[k] / cpu_n[k] if cpu_n[k] else float("nan") for k in cpu}}
+            for t, p in pooled.items():
+                row[t] = {"p50": pct(p["lat"], 50) * 1e3, "p99": pct(p["lat"], 99) * 1e3,
+                          "rps": p["n"] / p["wall"] if p["wall"] else float("nan"), "n": p["n"], "errors": p["errors"]}
+            c = phases["calls"] or float("nan")
+            row["render_ms"] = phases["render_seconds"] / c * 1e3
+            row["phases_ms"] = {k: phases[k] / c * 1e3 for k in ("pre_s", "engine_s", "post_s")}
+            rows.append(row)
+            print(f"  level {level}: " + ", ".join(
+                f"{t} p50 {row[t]['p50']:.2f} ms p99 {row[t]['p99']:.2f} ms {row[t]['rps']:.0f} req/s"
+                for t in pooled), flush=True)
+    except BaseException:
+        print(f"benchmark failed; child logs kept in {tmp}", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        for c in reversed(children):
+            c.stop()
+
+    def added(row: dict[str, Any], t: str, q: str) -> float | None:
+        return row[t][q] - row["direct"][q] if t in row else None
+
+    def share(row: dict[str, Any], t: str) -> float | None:
+        return 100 * row[t]["rps"] / row["direct"]["rps"] if t in row else None
+
+    head = ["clients", "direct p50 ms", "direct req/s", "bridle +p50 ms", "bridle +p99 ms", "LiteLLM +p50 ms",
+            "LiteLLM +p99 ms", "bridle % direct", "LiteLLM % direct", "render ms/call"]
+    table = [[str(r["level"]), fmt(r["direct"]["p50"], 2), fmt(r["direct"]["rps"], 0), fmt(added(r, "bridle", "p50"), 2),
+              fmt(added(r, "bridle", "p99"), 2), fmt(added(r, "litellm", "p50"), 2), fmt(added(r, "litellm", "p99"), 2),
+              fmt(share(r, "bridle"), 1), fmt(share(r, "litellm"), 1), fmt(r["render_ms"], 2)] for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
+    print()
+    print(f"Proxy overhead, {n_prompt}-token prompts, streaming chat completions, zero-latency engine "
+          f"(offline Splicer.render: {render_offline:.2f} ms/call; {os.cpu_count()} CPUs)")
+    print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
+    for row in table:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    if "litellm" not in targets:
+        print(f"LiteLLM: {litellm_why}")
+    print()
+    print("Where the time goes (ms per request). CPU = the server process's user+system time / requests (robust to "
+          "a busy machine); bridle phases from ModelCall.timings (wall time inside the proxy).")
+    head2 = ["clients", "engine CPU direct", "engine CPU via bridle", "bridle CPU", "LiteLLM CPU",
+             "bridle before engine", "bridle engine wait", "bridle after engine"]
+    table2 = [[str(r["level"]), fmt(r["cpu_ms"].get("engine:direct"), 2), fmt(r["cpu_ms"].get("engine:bridle"), 2),
+               fmt(r["cpu_ms"].get("bridle"), 2), fmt(r["cpu_ms"].get("litellm"), 2),
+               fmt(r["phases_ms"]["pre_s"], 2), fmt(r["phases_ms"]["engine_s"], 2), fmt(r["phases_ms"]["post_s"], 2)]
+              for r in rows]
+    widths2 = [max(len(h), *(len(row[i]) for row in table2)) for i, h in enumerate(head2)]
+    print("  ".join(h.rjust(w) for h, w in zip(head2, widths2)))
+    for row in table2:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths2)))
+
+    verdicts = []
+    by_level = {r["level"]: r for r in rows}
+    if 1 in by_level:
+        a = added(by_level[1], "bridle", "p50")
+        ex = a - by_level[1]["render_ms"] if a is not None else None
+        verdicts.append(f"1 client: bridle adds {fmt(ex, 2)} ms p50 excluding rendering "
+                        f"({fmt(a, 2)} ms with it) — goal <= 1 ms: {'met' if ex is not None and ex <= 1.0 else 'MISSED'}")
+    if 64 in by_level:
+        s = share(by_level[64], "bridle")
+        verdicts.append(f"64 clients: bridle keeps {fmt(s, 1)} % of direct throughput — goal >= 40 %: "
+                        f"{'met' if s is not None and s >= 40 else 'MISSED'}")
+    for v in verdicts:
+        print(v)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"prompt_tokens": n_prompt, "render_offline_ms": render_offline,
+                                               "rows": rows}, indent=1))
+    errors = sum(r[t]["errors"] for r in rows for t in targets if t in r)
+    return 1 if errors else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64], help="concurrent streaming clients")
+    ap.add_argument("--requests", type=int, default=300, help="timed requests per level and target")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level (spreads machine noise)")
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--litellm", help=f"LiteLLM binary (default {LITELLM_DEFAULT}, then PATH)")
+    ap.add_argument("--no-litellm", action="store_true")
+    ap.add_argument("--py-spy", metavar="OUT", help="record the bridle proxy with py-spy (.svg flamegraph or "
+                    ".json speedscope)")
+    ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    # internal entry points (the children this script starts)
+    ap.add_argument("--serve-bridle", nargs=2, metavar=("PORT", "ENGINE_URL"), help=argparse.SUPPRESS)
+    ap.add_argument("--rollouts", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--client", nargs=3, metavar=("URL", "TOKENS_JSON", "PROMPT_FILE"), help=argparse.SUPPRESS)
+    ap.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, default=8, help=argparse.SUPPRESS)
+    ap.add_argument("--tag", default="x", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_bridle:
+        serve_bridle_main(args)
+    elif args.client:
+        client_main(args)
+    else:
+        sys.exit(bench(args))
+
+
+if __name__ == "__main__":
+    main()
