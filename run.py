@@ -15,6 +15,8 @@ examples:
   python run.py --replay runs/20261129-120000-quickstart/events.msgpack          summary of a recorded run
   python run.py --replay runs/.../events.msgpack --json                          the same as one JSON object
   python run.py --replay runs/.../events.msgpack --stage sink                    re-feed recorded inputs into actor(s)
+  python run.py --replay runs/.../events.msgpack --stage trees                   rebuild trees; compares their hashes
+  python run.py --replay runs/.../events.msgpack --stage learner                 rerun the updates; compares batch hashes
 
 exit codes: 0 done, 1 an actor crashed, 2 bad configuration or arguments, 130 interrupted (Ctrl-C / SIGTERM)
 """
@@ -101,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(s.as_dict()) if args.json else launch.summary_text(s))
                 return 0
             exp = launch.recorded_experiment(log_path, resolve, args.overrides)
-            stage = {x.strip() for x in args.stage.split(",") if x.strip()}
+            stage = launch.resolve_stage(exp, [x.strip() for x in args.stage.split(",") if x.strip()])
             rd = launch.prepare(exp, args.run_dir, suffix="-replay")
             anyio.run(launch.replay_stage, log_path, exp, resolve, stage, rd)
-            print(json.dumps({"run_dir": str(rd.path), "events": str(rd.events)}))
+            print(json.dumps({"run_dir": str(rd.path), "events": str(rd.events),
+                              **launch.compare_replay(log_path, rd.events)}))
             return 0
         if not args.experiment:
             print("run.py: give --experiment NAME|PATH or --replay LOG (see --help)", file=sys.stderr)

@@ -22,7 +22,7 @@ import numpy as np
 
 from pipeline.config import Section
 from pipeline.learner import Learner, LearnerConfig
-from pipeline.messages import GroupDropped, Metric, PolicyUpdated, TreeGroup, ids, pack_i32
+from pipeline.messages import GroupDropped, Metric, PolicyUpdated, TreeGroup, ids, pack_i32, packed_hash
 from pipeline.runtime import Actor
 from pipeline.smallmodel import VOCAB_FILE, load_vocab_table
 
@@ -39,7 +39,10 @@ class LearnerActorConfig(Section):
     sft_batch_groups: int = 1  # demonstration packs ([tree].sft_pack rollouts each) per SFT update
     checkpoint_every: int = 0  # RL steps between checkpoints (0: only at the end)
     keep_weights: int = 2  # weight folders kept in runs/<run>/weights
-    train: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    train: LearnerConfig = msgspec.field(default_factory=LearnerConfig)  # the RL stage
+    # The SFT stage has its own optimizer (and usually a larger learning rate); RL then starts from the SFT
+    # weights with a fresh optimizer, so no SFT momentum leaks into the policy-gradient updates.
+    sft: LearnerConfig = msgspec.field(default_factory=lambda: LearnerConfig(lr=1e-3))
     reloadable = frozenset({"checkpoint_every", "keep_weights", "max_staleness"})
 
 
@@ -54,7 +57,8 @@ class LearnerActor(Actor[LearnerActorConfig]):
         assert self.run_dir is not None
         self.model_dir = Path(c.model)
         self.vocab = load_vocab_table(self.model_dir)
-        self.learner: Learner = await anyio.to_thread.run_sync(Learner, str(self.model_dir), c.train)
+        first = c.sft if c.sft_packs else c.train
+        self.learner: Learner = await anyio.to_thread.run_sync(Learner, str(self.model_dir), first)
         self.steps_done = 0
         received = 0
         batch: list[TreeGroup] = []
@@ -109,25 +113,29 @@ class LearnerActor(Actor[LearnerActorConfig]):
             for i in range(0, len(order), c.sft_batch_groups):
                 m = await anyio.to_thread.run_sync(self.learner.sft_step, order[i:i + c.sft_batch_groups])
                 await self._metric({**m, "sft_epoch": epoch}, phase="sft")
-        await self._publish({"sft_demos": sum(len(g.rollouts) for g in groups)})
+        path = await self._publish({"sft_demos": sum(len(g.rollouts) for g in groups)}, packed_hash(groups))
+        version = self.learner.version
+        cfg = msgspec.structs.replace(self.config.train, initial_version=version)
+        self.learner = await anyio.to_thread.run_sync(Learner, str(path), cfg)
 
     async def _rl_step(self, batch: list[TreeGroup]) -> None:
         self.steps_done += 1
         if not batch:
             self.log.warning("no trainable group in this step; the policy is unchanged", step=self.steps_done)
-            await self.send("updates", PolicyUpdated(version=self.learner.version, step=self.steps_done))
+            await self.send("updates", PolicyUpdated(version=self.learner.version, step=self.steps_done,
+                                                     batch_hash=packed_hash([])))
             return
         rewards = [r.reward for g in batch for r in g.rollouts]
         m = await anyio.to_thread.run_sync(self.learner.train_step, batch)
         m.update({"reward": float(np.mean(rewards)), "pass_rate": float(np.mean([r >= 1.0 for r in rewards])),
                   "groups": len(batch)})
         await self._metric(m, phase="rl")
-        await self._publish(m)
+        await self._publish(m, packed_hash(batch))
         every = self.config.checkpoint_every
         if every and self.steps_done % every == 0 and self.steps_done < self.config.steps:
             await self._checkpoint()
 
-    async def _publish(self, metrics: dict[str, Any]) -> None:
+    async def _publish(self, metrics: dict[str, Any], batch_hash: str) -> Path:
         assert self.run_dir is not None
         version = self.learner.version
         path = self.run_dir / "weights" / f"v{version:05d}"
@@ -136,8 +144,9 @@ class LearnerActor(Actor[LearnerActorConfig]):
             shutil.copy2(self.model_dir / VOCAB_FILE, path / VOCAB_FILE)
         self._prune()
         await self.send("updates", PolicyUpdated(
-            version=version, step=self.steps_done, weights_path=str(path),
+            version=version, step=self.steps_done, weights_path=str(path), batch_hash=batch_hash,
             metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}))
+        return path
 
     def _prune(self) -> None:
         assert self.run_dir is not None

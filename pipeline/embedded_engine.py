@@ -570,7 +570,7 @@ class EngineServer:
         self.model_path = model_path
         self.live: set[str] = set()
         self.update_lock = asyncio.Lock()
-        self.seeds = np.random.SeedSequence()
+        self.seeds = np.random.SeedSequence()  # unseeded requests each get a fresh child of this sequence
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024**2)
@@ -621,7 +621,8 @@ class EngineServer:
         updates: asyncio.Queue[tuple[dict[str, Any], bool]] = asyncio.Queue()
         seed = fields.pop("seed")
         gen = torch.Generator().manual_seed(
-            int(seed) if seed is not None else int(self.seeds.generate_state(1)[0])
+            # spawn(): generate_state() on the same sequence would hand every unseeded request the same seed
+            int(seed) if seed is not None else int(self.seeds.spawn(1)[0].generate_state(1)[0])
         )
 
         def deliver(payload: dict[str, Any], final: bool) -> None:

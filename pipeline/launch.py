@@ -114,6 +114,47 @@ def recorded_experiment(log_path: Path, resolve: Resolver, overrides: list[str] 
     return exp
 
 
+STAGE_ALIASES = {"trees": "tree"}
+
+
+def resolve_stage(exp: cfg.Experiment, names: list[str]) -> set[str]:
+    """Actor names for ``--stage``: an actor's name, its kind, or an alias ("trees" = the actor of kind "tree")."""
+    out = set()
+    for n in names:
+        n = STAGE_ALIASES.get(n, n)
+        if n in exp.graph.actors:
+            out.add(n)
+            continue
+        by_kind = [a for a, kind in exp.graph.actors.items() if kind == n]
+        out.update(by_kind or [n])
+    return out
+
+
+def compare_replay(original: Path, replayed: Path) -> dict[str, Any]:
+    """Do the replay's trees / batches equal the recorded ones? (hashes of packed arrays, in order)"""
+    from pipeline.messages import PolicyUpdated, TreeGroup, packed_hash
+
+    def collect(path: Path) -> tuple[dict[str, str], list[tuple[int, str]]]:
+        trees, updates = {}, []
+        for ev in EventLogReader(path):
+            if isinstance(ev.msg, TreeGroup):
+                trees[ev.msg.group_id] = packed_hash([ev.msg])
+            elif isinstance(ev.msg, PolicyUpdated) and ev.msg.batch_hash:
+                updates.append((ev.msg.step, ev.msg.batch_hash))
+        return trees, updates
+
+    t0, u0 = collect(original)
+    t1, u1 = collect(replayed)
+    out: dict[str, Any] = {}
+    if t1:
+        same = sum(1 for g, h in t1.items() if t0.get(g) == h)
+        out["trees"] = {"replayed": len(t1), "recorded": len(t0), "identical": same}
+    if u1:
+        same = sum(1 for a, b in zip(u0, u1) if a == b)
+        out["batches"] = {"replayed": len(u1), "recorded": len(u0), "identical": same}
+    return out
+
+
 def replay_plan(exp: cfg.Experiment, stage: set[str]) -> dict[str, list[str]]:
     """Which recorded outputs ("actor.output") feed which replayed actors: every edge from outside the stage in."""
     unknown = stage - set(exp.graph.actors)

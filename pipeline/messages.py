@@ -262,6 +262,7 @@ class PolicyUpdated(_Msg, kw_only=True):
     step: int
     weights_path: str = ""
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    batch_hash: str = ""  # sha256 of the packed batch this update trained on (replay reproduces it)
 
 
 # -------------------------------------------------------------------------------------- control, metrics
@@ -314,6 +315,17 @@ Message = Union[
 ]
 
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
+
+
+def packed_hash(groups: Sequence[TreeGroup]) -> str:
+    """Identity of a training batch: every group's id and packed arrays, in order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for g in groups:
+        h.update(g.group_id.encode())
+        h.update(msgspec.msgpack.encode(g.packed))
+    return h.hexdigest()
 
 
 class Event(msgspec.Struct, array_like=True):

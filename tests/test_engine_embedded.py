@@ -127,6 +127,18 @@ def _fields(s: Sampling) -> dict:
     return {f: getattr(s, f) for f in s.__struct_fields__}
 
 
+def test_unseeded_requests_sample_independently(engine):
+    # GRPO needs G different samples of one prompt: unseeded requests must not share a generator seed.
+    prompt = prompt_of(3, 10)
+    s = Sampling(temperature=1.0, max_new_tokens=20, ignore_eos=True)
+
+    async def go(c):
+        return [await c.generate(prompt, s) for _ in range(4)]
+
+    outs = engine.run(go)
+    assert len({tuple(o.output_ids) for o in outs}) > 1
+
+
 def test_seed_gives_the_same_tokens_alone_and_in_a_batch(engine):
     prompt = prompt_of(3, 10)
     s = Sampling(temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=1234)
