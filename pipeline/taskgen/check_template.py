@@ -3,6 +3,11 @@
 Usage: ``python3 -I check.py WORKSPACE``. Reads ``expected.json`` next to itself: a list of checks and a secret.
 Prints one line per failed check, or ``BRIDLE-PASS <secret>`` when all pass; test.sh grants the reward only on
 that exact line, so workspace code that exits early (``sys.exit(0)`` in an imported module) does not pass.
+
+Checks marked ``"partial": true`` also earn graded credit when they fail (a ``text`` check: the share of expected
+words at their place). When not everything passes but some credit was earned, the checker prints
+``BRIDLE-PARTIAL <secret> <score>`` with ``score = PARTIAL_CAP * mean credit`` (< 1, so only an exact solution
+reaches 1): a dense signal for small policies that get the format right before the content.
 """
 
 import configparser
@@ -14,6 +19,22 @@ import sys
 import unittest
 
 HERE = pathlib.Path(__file__).resolve().parent
+PARTIAL_CAP = 0.8
+
+
+def credit(ws, c):
+    """Graded credit in [0, 1] for a failed check marked partial."""
+    if c["kind"] != "text":
+        return 0.0
+    p = ws / c.get("path", "")
+    if not p.is_file():
+        return 0.0
+    got = p.read_text(encoding="utf-8", errors="replace").split()
+    want = c["text"].split()
+    if not want:
+        return 0.0
+    same = sum(1 for a, b in zip(got, want) if a == b)
+    return same / max(len(want), len(got))
 
 
 def _read(ws, rel):
@@ -93,14 +114,19 @@ def main():
     ws = pathlib.Path(sys.argv[1]).resolve()
     expected = json.loads((HERE / "expected.json").read_text(encoding="utf-8"))
     failed = 0
+    credits = []
     for c in expected["checks"]:
         try:
             check_one(ws, c)
+            credits.append(1.0)
         except Exception as e:  # noqa: BLE001 - any failure of the workspace is a failed check, reported by name
             failed += 1
             print(f"FAIL: {e}")
+            credits.append(credit(ws, c) if c.get("partial") else 0.0)
     if failed == 0:
         print("BRIDLE-PASS " + expected["secret"])
+    elif any(c.get("partial") for c in expected["checks"]) and sum(credits) > 0:
+        print(f"BRIDLE-PARTIAL {expected['secret']} {PARTIAL_CAP * sum(credits) / len(credits):.4f}")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,12 @@ LOGS="${BRIDLE_LOGS:-/logs}"
 mkdir -p "$LOGS/verifier"
 out="$(cd "$TESTS" && python3 -I -B check.py "$WS" 2>&1)"
 printf '%s\\n' "$out"
-if printf '%s\\n' "$out" | grep -qxF "BRIDLE-PASS $(cat "$TESTS/secret.txt")"; then
+secret="$(cat "$TESTS/secret.txt")"
+partial="$(printf '%s\\n' "$out" | sed -n "s/^BRIDLE-PARTIAL $secret \\([0-9.]*\\)\$/\\1/p" | head -n 1)"
+if printf '%s\\n' "$out" | grep -qxF "BRIDLE-PASS $secret"; then
   echo 1 > "$LOGS/verifier/reward.txt"
+elif [ -n "$partial" ]; then
+  echo "$partial" > "$LOGS/verifier/reward.txt"
 else
   echo 0 > "$LOGS/verifier/reward.txt"
 fi

@@ -52,7 +52,8 @@ def generate(seed: int) -> TaskSpec:
         difficulty=DIFFICULTY,
         instruction=f"Create file {name} containing: {text}",
         workspace={},
-        checks=[{"kind": "text", "path": name, "text": text, "match": "strip"}],
+        # graded credit (share of words right) gives small policies a signal before they copy exactly
+        checks=[{"kind": "text", "path": name, "text": text, "match": "strip", "partial": True}],
         actions=[act("write_file", path=name, content=text)],
         rng=rng,
     )

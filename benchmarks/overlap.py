@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Overlap of rollouts and updates: RL step wall time with overlap (max_staleness = 1) vs synchronous
+(max_staleness = 0), in one run each of the quickstart graph (same seed, same sizes).
+
+From the event log of each run: per RL step, the wall time between consecutive PolicyUpdated events; the rollout
+time of a step's groups (first RolloutRequest to last RolloutFinished of the groups it trained on); the learner's
+own step time (metrics). Goal (issue #10): overlapped step time <= 1.15 x max(rollout, train). Prints a table.
+
+    python benchmarks/overlap.py [--steps 8] [--set k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.eventlog import EventLogReader  # noqa: E402
+from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest, TreeGroup  # noqa: E402
+
+
+def measure(run_dir: Path) -> dict[str, float]:
+    issued: dict[str, float] = {}
+    finished: dict[str, float] = {}
+    updates: list[tuple[float, int]] = []
+    batches: dict[int, list[str]] = {}
+    pending: list[str] = []
+    for ev in EventLogReader(run_dir / "events.msgpack"):
+        m = ev.msg
+        if isinstance(m, RolloutRequest) and m.purpose == "train" and ev.src.startswith("scheduler"):
+            issued.setdefault(m.group_id, ev.t)
+        elif isinstance(m, RolloutFinished):
+            finished[m.group_id] = max(finished.get(m.group_id, 0.0), ev.t)
+        elif isinstance(m, TreeGroup) and m.purpose == "train":
+            pending.append(m.group_id)
+        elif isinstance(m, PolicyUpdated) and m.step > 0:
+            updates.append((ev.t, m.step))
+            batches[m.step] = pending
+            pending = []
+    steps = [b - a for (a, _), (b, _) in zip(updates, updates[1:])]
+    rollout = [max(finished[g] for g in gs) - min(issued[g] for g in gs) for s, gs in batches.items() if gs and s > 1]
+    train = [json.loads(x)["step_s"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x).get("source") == "learner.rl"]
+    return {"step": statistics.median(steps), "rollout": statistics.median(rollout), "train": statistics.median(train)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="bridle-overlap-"))
+    results = {}
+    for name, staleness in (("synchronous", 0), ("overlapped", 1)):
+        run_dir = base / name
+        cmd = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch",
+               "--set", f"scheduler.steps={args.steps}", "--set", f"learner.steps={args.steps}",
+               "--set", f"scheduler.max_staleness={staleness}", "--set", f"learner.max_staleness={staleness}",
+               "--set", 'monitor.display="off"']
+        for s in args.sets:
+            cmd += ["--set", s]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"{name}: run failed:\n{r.stderr[-3000:]}", file=sys.stderr)
+            return 1
+        results[name] = measure(run_dir)
+    print(f"{'mode':12s} {'step s (median)':>16s} {'rollout s':>10s} {'train s':>8s} {'step / max(rollout, train)':>28s}")
+    for name, m in results.items():
+        print(f"{name:12s} {m['step']:>16.2f} {m['rollout']:>10.2f} {m['train']:>8.2f} "
+              f"{m['step'] / max(m['rollout'], m['train']):>28.2f}")
+    o, s = results["overlapped"], results["synchronous"]
+    print(f"overlapped / synchronous step time: {o['step'] / s['step']:.2f}   goal: overlapped <= 1.15 x max(rollout, train)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
