@@ -74,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "anthropic_base_url, token and run_dir, and record every call to the run's event log until Ctrl-C "
         "(point any harness at it by hand; --replay LOG --calls lists what it recorded)",
     )
+    p.add_argument(
+        "--build-images",
+        action="store_true",
+        help="build (or confirm up to date) the Docker sandbox images: a debootstrap base, the white-box, Claude "
+        "Code and Codex images; idempotent; needs a running Docker engine and, for the npm harnesses, "
+        "BRIDLE_HARNESS_BIN (see harness_images/ci_setup.sh)",
+    )
     p.add_argument("--validate", action="store_true", help="check the experiment file and exit")
     p.add_argument("--no-watch", action="store_true", help="do not watch the experiment file for changes")
     return p.parse_args(argv)
@@ -90,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.runtime import ActorCrashed, Interrupted, make_resolver
 
     resolve = make_resolver(REGISTRY)
+    if args.build_images:
+        from pipeline.images import main as build_images
+
+        return build_images([])
     try:
         if args.replay:
             log_path = Path(args.replay)

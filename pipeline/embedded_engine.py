@@ -772,7 +772,18 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    parent = os.getppid()
+
+    async def orphan_watch() -> None:
+        # The engine runs in its own session; if whoever started it is killed (kill -9), nobody will stop it.
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        log.warning("parent process exited; shutting down")
+        stop.set()
+
+    watch = asyncio.create_task(orphan_watch())
     await stop.wait()
+    watch.cancel()
     scheduler.submit("stop")
     await asyncio.to_thread(scheduler.thread.join, 10)
     await runner_.cleanup()

@@ -38,6 +38,10 @@ class LaunchContext:
     max_turns: int = 30
     binary: str = ""  # override the harness executable (default: found on PATH / known install dirs)
     python: str = sys.executable
+    whitebox_script: str = ""  # where harness.py is (default: this checkout's copy; in images /opt/bridle/...)
+    solution_dir: str = ""  # the task's solution/ (only the "oracle" pseudo-harness is given one)
+    # Appended to the white-box harness's command line, e.g. ["--summary-budget-chars", "4000"].
+    whitebox_args: list[str] = field(default_factory=list)
 
 
 BASE_ENV = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
@@ -104,23 +108,51 @@ stream_idle_timeout_ms = 300000
     return Launch(argv, env, files={f"{codex_home}/config.toml": config}, transcript=f"{codex_home}/sessions")
 
 
-def whitebox(ctx: LaunchContext, config: str = "S0T0O0C0W0", script: str = str(WHITEBOX)) -> Launch:
+def whitebox(ctx: LaunchContext, config: str = "S0T0O0C0W0", script: str = "") -> Launch:
+    script = script or ctx.whitebox_script or str(WHITEBOX)
     instruction_file = ctx.instruction_file or f"{ctx.home}/instruction.md"
     files = {} if ctx.instruction_file else {instruction_file: ctx.instruction}
     argv = [ctx.python, script, "--config", config, "--workspace", ctx.workspace,
             "--instruction-file", instruction_file, "--base-url", f"{ctx.base_url}/v1", "--model", ctx.model,
-            "--max-turns", str(ctx.max_turns), "--transcript", f"{ctx.home}/transcript.jsonl"]
+            "--max-turns", str(ctx.max_turns), "--transcript", f"{ctx.home}/transcript.jsonl",
+            *ctx.whitebox_args]
     env = {**BASE_ENV, "HOME": ctx.home, "BRIDLE_API_KEY": ctx.token}
     return Launch(argv, env, files=files, transcript=f"{ctx.home}/transcript.jsonl")
 
 
+def oracle(ctx: LaunchContext) -> Launch:
+    """The task's own ``solution/solve.sh`` in place of an agent: a self-check of task, sandbox and verifier."""
+    if not ctx.solution_dir:
+        raise ValueError("the oracle harness needs LaunchContext.solution_dir (the task's solution/ folder)")
+    env = {**BASE_ENV, "HOME": ctx.home, "BRIDLE_WORKSPACE": ctx.workspace, "BRIDLE_SOLUTION": ctx.solution_dir}
+    return Launch(["bash", f"{ctx.solution_dir}/solve.sh"], env)
+
+
+# Container image per harness (pipeline/images.py builds them) and where each image keeps its executable.
+IMAGES = {"whitebox": "bridle-whitebox", "claude-code": "bridle-claude-code", "codex": "bridle-codex",
+          "oracle": "bridle-base"}
+CONTAINER_BINARIES = {"claude-code": "/usr/local/bin/claude", "codex": "/usr/local/bin/codex"}
+CONTAINER_WHITEBOX = "/opt/bridle/whitebox/harness.py"
+
+
+def harness_name(harness: str) -> str:
+    """The adapter part of a RolloutRequest.harness ("whitebox:S0T1O2C1W0" -> "whitebox"), validated."""
+    name = harness.partition(":")[0]
+    if name not in IMAGES:
+        raise ValueError(f'unknown harness "{harness}"; known: claude-code, codex, whitebox[:SxTxOxCxWx], oracle')
+    return name
+
+
 def launch_for(harness: str, ctx: LaunchContext) -> Launch:
-    """``harness`` as in RolloutRequest.harness: "claude-code", "codex", "whitebox" or "whitebox:S0T1O2C1W0"."""
+    """``harness`` as in RolloutRequest.harness: "claude-code", "codex", "whitebox", "whitebox:S0T1O2C1W0" or
+    "oracle" (runs the task's solution/solve.sh)."""
     name, _, variant = harness.partition(":")
+    if name == "oracle":
+        return oracle(ctx)
     if name == "claude-code":
         return claude_code(ctx)
     if name == "codex":
         return codex(ctx)
     if name == "whitebox":
         return whitebox(ctx, variant or "S0T0O0C0W0")
-    raise ValueError(f'unknown harness "{harness}"; known: claude-code, codex, whitebox[:SxTxOxCxWx]')
+    raise ValueError(f'unknown harness "{harness}"; known: claude-code, codex, whitebox[:SxTxOxCxWx], oracle')

@@ -65,5 +65,6 @@ def configure(log_file: Path | None = None, level: str = "info", console: bool =
     _configured = True
 
 
-def get_logger(**bound: Any) -> structlog.stdlib.BoundLogger:
-    return structlog.get_logger("bridle").bind(**bound)
+def get_logger(**bound: Any) -> Any:
+    """A lazy logger: it binds on each use, so module-level loggers follow :func:`configure` called later."""
+    return structlog.get_logger("bridle", **bound)

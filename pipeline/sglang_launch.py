@@ -117,9 +117,12 @@ async def _child(
         await wait_ready(client, timeout_s=timeout_s, proc=proc, log_path=log_path)
         yield client
     finally:
-        if client is not None:
-            await client.aclose()
-        await anyio.to_thread.run_sync(_stop, proc)
+        # Shielded: this runs when the run is cancelled (Ctrl-C, a crashed actor); without the shield the first
+        # await would re-raise the cancellation and leave the engine process running.
+        with anyio.CancelScope(shield=True):
+            if client is not None:
+                await client.aclose()
+            await anyio.to_thread.run_sync(_stop, proc)
         log.info("engine process stopped", pid=proc.pid, returncode=proc.returncode)
         if own_log and proc.returncode in (0, -signal.SIGTERM):
             log_path.unlink(missing_ok=True)

@@ -1,0 +1,165 @@
+"""Sandbox backends: start-to-ready latency and how many idle sandboxes this machine sustains.
+
+    python benchmarks/sandbox.py [--backends local,docker] [--samples 20] [--concurrent 64]
+
+start-to-ready: RolloutTimings.sandbox_ready - queued for a rollout whose harness exits at once (workspace laid
+out, process / container started; Docker: container created, files copied in, started). Also the whole rollout
+(harness + verifier + teardown). Idle sandboxes: ``--concurrent`` rollouts whose harness sleeps, started together;
+the table shows how many were running at once and their memory: the PSS of every process of a sandbox
+(Docker: including the container's containerd shim), averaged over the sandboxes. Goal: 64 on 2 cores / 24 GB.
+Docker needs the images (``python -m pipeline.images``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.messages import RolloutRequest
+from pipeline.sandbox import MARKER_ID, MARKER_RUN, DockerBackend, DockerSettings, LocalBackend
+from pipeline.taskgen import generate
+from pipeline.tasks import Task, materialize
+from tests.proxyutil import running_proxy
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def pss(pid: int) -> int:
+    for line in _read(f"/proc/{pid}/smaps_rollup").decode().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def sandboxes(backend) -> dict[str, list[int]]:
+    """Sandbox id -> its processes (Docker: plus the container's containerd shim). Sandboxes, not processes, are
+    counted, and memory is the processes' PSS, so shared pages (the image's libraries) are split fairly."""
+    groups: dict[str, list[int]] = {}
+    pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    if isinstance(backend, LocalBackend):
+        run = f"{MARKER_RUN}={backend.run_id}".encode()
+        for pid in pids:
+            env = _read(f"/proc/{pid}/environ").split(b"\0")
+            if run in env:
+                sid = next((v for v in env if v.startswith(MARKER_ID.encode() + b"=")), b"?")
+                groups.setdefault(sid.decode(), []).append(pid)
+        return groups
+    out = subprocess.run(["docker", "ps", "-q", "--no-trunc", "--filter", f"label=bridle.run={backend.run_id}",
+                          "--filter", "label=bridle.role=harness"], capture_output=True, text=True, check=False)
+    ids = set(out.stdout.split())
+    for pid in pids:
+        text = _read(f"/proc/{pid}/cgroup").decode() + _read(f"/proc/{pid}/cmdline").replace(b"\0", b" ").decode()
+        for cid in ids:
+            if cid in text:
+                groups.setdefault(cid, []).append(pid)
+                break
+    for cid in ids:
+        groups.setdefault(cid, [])
+    return groups
+
+
+def task_with(tmp: Path, name: str, solve: str) -> Task:
+    spec = generate("create_file", 0)
+    spec = msgspec.structs.replace(spec, solution={"solve.sh": "#!/usr/bin/env bash\n" + solve + "\n"})
+    return materialize(spec, tmp / name)
+
+
+def req(i: int, task: Task, timeout_s: float) -> RolloutRequest:
+    return RolloutRequest(rollout_id=f"bench-{i}", group_id="bench", index=i, group_size=1, task_id=task.id,
+                          harness="oracle", token="t", policy_version=0, timeout_s=timeout_s)
+
+
+async def bench(kind: str, samples: int, concurrent: int, tmp: Path) -> dict:
+    sock = tmp / f"{kind}.sock"
+    backend = LocalBackend() if kind == "local" else DockerBackend(DockerSettings(cpus=0.5, memory="256m"))
+    await backend.start()
+    quick = task_with(tmp, f"{kind}-quick", "exit 0")
+    idle = task_with(tmp, f"{kind}-idle", "sleep 600")
+    row: dict = {"backend": kind}
+    async with running_proxy(unix_socket=str(sock)) as (proxy, _, _):
+        ready, total = [], []
+        for i in range(samples):
+            t0 = time.time()
+            fin = await backend.run(req(i, quick, 60), quick, proxy_url=proxy.base_url, proxy_socket=str(sock))
+            if fin.status != "ok":
+                raise RuntimeError(f"{kind}: warm-up rollout failed: {fin.status} {fin.details}")
+            ready.append(fin.timings.sandbox_ready - fin.timings.queued)
+            total.append(time.time() - t0)
+        row.update(ready_p50=np.percentile(ready, 50), ready_p95=np.percentile(ready, 95),
+                   rollout_p50=np.percentile(total, 50))
+
+        t0 = time.time()
+        async with anyio.create_task_group() as tg:
+            for i in range(concurrent):
+                tg.start_soon(lambda i=i: backend.run(req(1000 + i, idle, 900), idle, proxy_url=proxy.base_url,
+                                                      proxy_socket=str(sock)))
+            deadline = time.time() + 600
+            while time.time() < deadline:
+                await anyio.sleep(1.0)
+                n = len(await anyio.to_thread.run_sync(sandboxes, backend))
+                if n >= concurrent:
+                    break
+            row["all_up_s"] = time.time() - t0
+            await anyio.sleep(3.0)  # let start-up transients settle before measuring
+            groups = await anyio.to_thread.run_sync(sandboxes, backend)
+            used = sum(pss(pid) for procs in groups.values() for pid in procs)
+            row["running"] = len(groups)
+            tg.cancel_scope.cancel()
+    await backend.aclose()
+    row.update(concurrent=row["running"], mem_per_sandbox_mb=used / max(row["running"], 1) / 2**20,
+               left_over=len(await anyio.to_thread.run_sync(sandboxes, backend)))
+    return row
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backends", default="local,docker")
+    p.add_argument("--samples", type=int, default=20)
+    p.add_argument("--concurrent", type=int, default=64)
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bridle-bench-") as tmp:
+        for kind in args.backends.split(","):
+            if kind == "docker" and (shutil.which("docker") is None or (await anyio.run_process(
+                    ["docker", "info"], check=False)).returncode != 0):
+                print("docker: no engine, skipped")
+                continue
+            rows.append(await bench(kind, args.samples, args.concurrent, Path(tmp)))
+    print(f"\nmachine: {os.cpu_count()} cores, {mem_available() / 2**30:.1f} GiB available now")
+    hdr = ("backend", "ready p50 ms", "ready p95 ms", "rollout p50 ms", "idle running", "all up s", "MB/sandbox",
+           "left over")
+    print(" | ".join(hdr))
+    print(" | ".join("---" for _ in hdr))
+    for r in rows:
+        print(" | ".join([r["backend"], f"{r['ready_p50'] * 1e3:.0f}", f"{r['ready_p95'] * 1e3:.0f}",
+                          f"{r['rollout_p50'] * 1e3:.0f}", f"{r['concurrent']}/{args.concurrent}",
+                          f"{r['all_up_s']:.1f}", f"{r['mem_per_sandbox_mb']:.1f}", str(r["left_over"])]))
+
+
+if __name__ == "__main__":
+    anyio.run(main)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Make a Docker engine available and build bridle's sandbox images. Idempotent: each step is skipped when done.
+# Needs root (apt-get, dockerd, debootstrap). Run from the repository root with the project's Python active and,
+# for the Claude Code / Codex images, BRIDLE_HARNESS_BIN pointing at an npm node_modules/.bin that holds them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq docker.io debootstrap >/dev/null
+fi
+
+if ! docker info >/dev/null 2>&1; then
+  nohup dockerd >/tmp/bridle-dockerd.log 2>&1 &
+  for _ in $(seq 1 60); do
+    docker info >/dev/null 2>&1 && break
+    sleep 1
+  done
+  docker info >/dev/null 2>&1 || { echo "dockerd did not start; see /tmp/bridle-dockerd.log" >&2; tail -20 /tmp/bridle-dockerd.log >&2; exit 1; }
+fi
+
+"$PY" -m pipeline.images
