@@ -111,7 +111,8 @@ class LearnerActor(Actor[LearnerActorConfig]):
             order = list(groups)
             rng.shuffle(order)
             for i in range(0, len(order), c.sft_batch_groups):
-                m = await anyio.to_thread.run_sync(self.learner.sft_step, order[i:i + c.sft_batch_groups])
+                m = await anyio.to_thread.run_sync(self.learner.sft_step, order[i:i + c.sft_batch_groups],
+                                                abandon_on_cancel=True)
                 await self._metric({**m, "sft_epoch": epoch}, phase="sft")
         path = await self._publish({"sft_demos": sum(len(g.rollouts) for g in groups)}, packed_hash(groups))
         version = self.learner.version
@@ -126,7 +127,8 @@ class LearnerActor(Actor[LearnerActorConfig]):
                                                      batch_hash=packed_hash([])))
             return
         rewards = [r.reward for g in batch for r in g.rollouts]
-        m = await anyio.to_thread.run_sync(self.learner.train_step, batch)
+        # abandon_on_cancel: Ctrl-C must not wait for a long step; the step's result is simply never published
+        m = await anyio.to_thread.run_sync(self.learner.train_step, batch, abandon_on_cancel=True)
         m.update({"reward": float(np.mean(rewards)), "pass_rate": float(np.mean([r >= 1.0 for r in rewards])),
                   "groups": len(batch)})
         await self._metric(m, phase="rl")
