@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--validate", action="store_true", help="check the experiment file and exit")
     p.add_argument("--no-watch", action="store_true", help="do not watch the experiment file for changes")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run (also one killed with kill -9) from its last learner checkpoint, with its own "
+        "config.toml (--set applies on top), appending to its event log",
+    )
     return p.parse_args(argv)
 
 
@@ -120,8 +126,17 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"run_dir": str(rd.path), "events": str(rd.events),
                               **launch.compare_replay(log_path, rd.events)}))
             return 0
+        if args.resume:
+            rd = launch.RunDir(Path(args.resume))
+            exp = cfg.load_experiment(rd.config, resolve, args.overrides)
+            logs.configure(rd.log_file, level=exp.experiment.log_level)
+            anyio.run(lambda: launch.resume_experiment(exp, resolve, rd, config_path=None if args.no_watch
+                                                        else rd.config))
+            logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
+            return 0
         if not args.experiment:
-            print("run.py: give --experiment NAME|PATH or --replay LOG (see --help)", file=sys.stderr)
+            print("run.py: give --experiment NAME|PATH, --resume RUN_DIR or --replay LOG (see --help)",
+                  file=sys.stderr)
             return 2
         path = cfg.resolve_experiment_path(args.experiment)
         exp = cfg.load_experiment(path, resolve, args.overrides)

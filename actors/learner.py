@@ -37,7 +37,7 @@ class LearnerActorConfig(Section):
     sft_packs: int = 0
     sft_epochs: int = 10
     sft_batch_groups: int = 1  # demonstration packs ([tree].sft_pack rollouts each) per SFT update
-    checkpoint_every: int = 0  # RL steps between checkpoints (0: only at the end)
+    checkpoint_every: int = 1  # RL steps between checkpoints (0: only at the end); resume starts from the last
     keep_weights: int = 2  # weight folders kept in runs/<run>/weights
     train: LearnerConfig = msgspec.field(default_factory=LearnerConfig)  # the RL stage
     # The SFT stage has its own optimizer (and usually a larger learning rate); RL then starts from the SFT
@@ -57,14 +57,27 @@ class LearnerActor(Actor[LearnerActorConfig]):
         assert self.run_dir is not None
         self.model_dir = Path(c.model)
         self.vocab = load_vocab_table(self.model_dir)
-        first = c.sft if c.sft_packs else c.train
-        self.learner: Learner = await anyio.to_thread.run_sync(Learner, str(self.model_dir), first)
         self.steps_done = 0
         received = 0
         batch: list[TreeGroup] = []
         sft: list[TreeGroup] = []
         sft_done = c.sft_packs == 0
         packs_seen = 0
+        if self.resume is not None:
+            # Model, optimizer, schedule, RNG, step and version from the checkpoint; the engine gets the weights
+            # at once (an update that trains nothing: empty batch hash). Groups of unfinished steps are re-issued.
+            self.learner = await anyio.to_thread.run_sync(Learner, str(self.model_dir), c.train)
+            await anyio.to_thread.run_sync(self.learner.load_checkpoint, self.resume.checkpoint)
+            self.steps_done = self.resume.steps_done
+            received = self.steps_done * c.groups_per_step
+            sft_done = True
+            self.log.info("resumed", checkpoint=str(self.resume.checkpoint), steps_done=self.steps_done)
+            await self._publish({}, "")
+            if self.steps_done >= c.steps:
+                return
+        else:
+            first = c.sft if c.sft_packs else c.train
+            self.learner = await anyio.to_thread.run_sync(Learner, str(self.model_dir), first)
         self.log.info("learner ready", model=str(self.model_dir), reduced_vocab=self.vocab is not None)
         async for msg in self.messages():
             is_pack = msg.group_id.startswith("sftpack") if isinstance(msg, (TreeGroup, GroupDropped)) else False
@@ -91,7 +104,6 @@ class LearnerActor(Actor[LearnerActorConfig]):
                 await self._rl_step(batch)
                 batch = []
                 if self.steps_done >= c.steps:
-                    await self._checkpoint()
                     return
         self.log.warning("inputs ended before the last step", steps_done=self.steps_done, steps=c.steps)
 
@@ -121,8 +133,14 @@ class LearnerActor(Actor[LearnerActorConfig]):
 
     async def _rl_step(self, batch: list[TreeGroup]) -> None:
         self.steps_done += 1
+        every = self.config.checkpoint_every
+        # Checkpoint before the update is announced: a step the log shows as done is always in a checkpoint, so
+        # --resume after kill -9 neither repeats nor skips one.
+        checkpoint = self.steps_done >= self.config.steps or (every and self.steps_done % every == 0)
         if not batch:
             self.log.warning("no trainable group in this step; the policy is unchanged", step=self.steps_done)
+            if checkpoint:
+                await self._checkpoint()
             await self.send("updates", PolicyUpdated(version=self.learner.version, step=self.steps_done,
                                                      batch_hash=packed_hash([])))
             return
@@ -131,11 +149,10 @@ class LearnerActor(Actor[LearnerActorConfig]):
         m = await anyio.to_thread.run_sync(self.learner.train_step, batch, abandon_on_cancel=True)
         m.update({"reward": float(np.mean(rewards)), "pass_rate": float(np.mean([r >= 1.0 for r in rewards])),
                   "groups": len(batch)})
+        if checkpoint:
+            await self._checkpoint()
         await self._metric(m, phase="rl")
         await self._publish(m, packed_hash(batch))
-        every = self.config.checkpoint_every
-        if every and self.steps_done % every == 0 and self.steps_done < self.config.steps:
-            await self._checkpoint()
 
     async def _publish(self, metrics: dict[str, Any], batch_hash: str) -> Path:
         assert self.run_dir is not None

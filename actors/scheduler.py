@@ -60,6 +60,17 @@ class Scheduler(Actor[SchedulerConfig]):
         self.in_flight: dict[str, int] = {}  # group -> rollouts not finished
         self.issued_at: dict[str, int] = {}
         self._pending: list[Assignment] = []
+        if self.resume is not None:
+            # Continue with the groups of the first unfinished step; replaying the planner keeps its task order.
+            self.steps_done = self.resume.steps_done
+            self.train_issued = min(self.total, self.steps_done * c.groups_per_step)
+            self.sft_issued = c.sft_groups
+            self.warm = False  # wait for the learner's resumed weights to reach the engine
+            for _ in range(c.sft_groups):
+                self.planner._next_task()
+            for s in range(self.steps_done):
+                self.planner.step(s)
+            self.log.info("resumed", steps_done=self.steps_done, next_group=self.train_issued)
         self.log.info("scheduler ready", tasks=len(tasks), mode=c.mode, groups=self.total, sft_groups=c.sft_groups)
         await self._issue()
         if self._done():

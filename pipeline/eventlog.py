@@ -62,6 +62,27 @@ class EventLogWriter:
         self._frame(header)
         self.flush()
 
+    @classmethod
+    def reopen(cls, path: Path | str, *, chunk_bytes: int = 1 << 20) -> "EventLogWriter":
+        """Continue an existing log (``--resume``): a frame cut by a crash is truncated away first, so the file
+        stays a clean sequence of frames; everything before it is kept."""
+        reader = EventLogReader(path)
+        end = reader.start_offset
+        for end, _ev in reader.iter_with_offsets():
+            pass
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_WRONLY)
+        os.ftruncate(self._fd, end)
+        os.lseek(self._fd, end, os.SEEK_SET)
+        self._enc = msgspec.msgpack.Encoder()
+        self._buf = bytearray()
+        self._chunk = chunk_bytes
+        self.frames = 0
+        self.bytes_written = end
+        self.truncated_bytes = len(reader._data) - end
+        return self
+
     def _frame(self, obj: Any) -> None:
         buf = self._buf
         start = len(buf)

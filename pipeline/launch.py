@@ -18,7 +18,7 @@ from pipeline import config as cfg
 from pipeline import logs
 from pipeline.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
 from pipeline.messages import SCHEMA_VERSION, ConfigChanged
-from pipeline.runtime import Graph, Resolver, Supervisor
+from pipeline.runtime import Graph, Resolver, Resume, Supervisor
 
 
 @dataclass
@@ -104,6 +104,33 @@ async def build_model(exp: cfg.Experiment) -> None:
         raise cfg.ConfigError(f"{exp.source}: [experiment.build_model]: {e}") from None
     logs.get_logger(actor="run").info("preparing the model", path=spec.path)
     await anyio.to_thread.run_sync(ensure_model, spec)
+
+
+def find_resume(run_dir: Path) -> Resume:
+    ckpts = sorted((run_dir / "checkpoints").glob("step*"))
+    ckpts = [c for c in ckpts if (c / "learner_state.json").is_file()]  # a checkpoint cut by a crash is skipped
+    if not ckpts:
+        raise cfg.ConfigError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+    last = ckpts[-1]
+    return Resume(checkpoint=last, steps_done=int(last.name.removeprefix("step")))
+
+
+async def resume_experiment(exp: cfg.Experiment, resolve: Resolver, rd: RunDir, *, config_path: Path | None = None,
+                            handle_signals: bool = True) -> Supervisor:
+    """Continue a run from its last checkpoint, appending to its event log."""
+    res = find_resume(rd.path)
+    await build_model(exp)
+    writer = EventLogWriter.reopen(rd.events)
+    log = AsyncEventLog(writer)
+    logs.get_logger(actor="run").info("resuming", run_dir=str(rd.path), checkpoint=str(res.checkpoint),
+                                      steps_done=res.steps_done, truncated_bytes=writer.truncated_bytes)
+    sup = Supervisor(exp, resolve, log, config_path=config_path, handle_signals=handle_signals, run_dir=rd.path,
+                     resume=res)
+    try:
+        await sup.run()
+    finally:
+        log.close()
+    return sup
 
 
 def recorded_experiment(log_path: Path, resolve: Resolver, overrides: list[str] | None = None) -> cfg.Experiment:

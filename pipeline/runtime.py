@@ -73,6 +73,7 @@ class Actor(Generic[C]):
     outputs: ClassVar[tuple[str, ...]] = ()
 
     run_dir: Path | None = None  # the run's directory (weights, workspaces, engine logs), set by the supervisor
+    resume: "Resume | None" = None  # set when the run continues from a checkpoint (run.py --resume)
 
     def __init__(self, name: str, config: C) -> None:
         self.name = name
@@ -96,6 +97,14 @@ class Actor(Generic[C]):
         if self.inbox is None:
             raise RuntimeError(f"actor {self.name!r} has no incoming edge in [graph].edges")
         return self.inbox
+
+
+@dataclass
+class Resume:
+    """What a resumed run continues from: the last learner checkpoint and how many RL steps it holds."""
+
+    checkpoint: Path
+    steps_done: int
 
 
 class ActorCrashed(Exception):
@@ -144,6 +153,7 @@ def build_graph(
     only: set[str] | None = None,
     external_inputs: set[str] | None = None,
     run_dir: Path | None = None,
+    resume: Resume | None = None,
 ) -> Graph:
     """Instantiate and wire the actors of ``exp``.
 
@@ -157,6 +167,7 @@ def build_graph(
         cls = resolve(exp.graph.actors[n])
         a = cls(n, exp.sections[n])
         a.run_dir = run_dir
+        a.resume = resume
         for o in cls.outputs:
             a.out[o] = Output(f"{n}.{o}", log)
         actors[n] = a
@@ -194,13 +205,15 @@ class Supervisor:
         only: set[str] | None = None,
         external_inputs: set[str] | None = None,
         run_dir: Path | None = None,
+        resume: Resume | None = None,
     ) -> None:
         self.exp = exp
         self.resolve = resolve
         self.eventlog = log
         self.config_path = config_path
         self.handle_signals = handle_signals
-        self.graph = build_graph(exp, resolve, log, only=only, external_inputs=external_inputs, run_dir=run_dir)
+        self.graph = build_graph(exp, resolve, log, only=only, external_inputs=external_inputs, run_dir=run_dir,
+                                 resume=resume)
         self.log = get_logger(actor="supervisor")
         self.crash: ActorCrashed | None = None
         self.interrupted: Interrupted | None = None

@@ -401,9 +401,12 @@ class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     verifier_image: str = ""  # default: the base image
     forward_port: int = 8080  # the forwarder's port on the container's loopback
     workdir: str = ""  # host folder for per-rollout directories (bind-mounted; default: the system temp dir)
+    # Keep each rollout's directory (app/, tests/, logs/) and copy the harness's transcript out of the container
+    # into its home/ before the container is removed.
     keep_workspaces: bool = False
     max_turns: int = 30
     model: str = "policy"
+    whitebox_args: list[str] = msgspec.field(default_factory=list)  # extra white-box harness flags
     docker_url: str = ""  # default: DOCKER_HOST, then the local socket
     api_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0  # any one Docker API call
 
@@ -642,6 +645,7 @@ class DockerBackend:
                     instruction=task.instruction, model=s.model, max_turns=s.max_turns,
                     binary=CONTAINER_BINARIES.get(name, ""), python="python3", whitebox_script=CONTAINER_WHITEBOX,
                     solution_dir="/solution" if name == "oracle" else "",
+                    whitebox_args=list(s.whitebox_args),
                 )
                 launch = launch_for(req.harness, ctx)
                 for path, content in launch.files.items():
@@ -680,6 +684,8 @@ class DockerBackend:
             out_tail = await self._logs(c)
             exit_code = state.get("ExitCode")
             outside = not timed_out and exit_code == 137 and await self._killed_from_outside(c, started)
+            if s.keep_workspaces and launch.transcript:
+                await self._copy_out(c, launch.transcript, root / "home")
             await self._remove(c.id)
             t.harness_done = time.time()
             if not timed_out:
@@ -711,6 +717,20 @@ class DockerBackend:
                     if os.geteuid() != 0:
                         await self._chown_back(req, root)
                     await anyio.to_thread.run_sync(_rmtree, root)
+
+    async def _copy_out(self, c: Any, path: str, dest: Path) -> None:
+        """Copy ``path`` (file or folder) out of the stopped container into ``dest``; best effort, for inspection."""
+        import aiodocker
+
+        try:
+            with anyio.fail_after(self.settings.api_timeout_s):
+                tar = await c.get_archive(path)
+            dest.mkdir(parents=True, exist_ok=True)
+            with tar:
+                await anyio.to_thread.run_sync(lambda: tar.extractall(dest, filter="data"))
+        except (aiodocker.DockerError, aiohttp.ClientError, TimeoutError, OSError, tarfile.TarError) as e:
+            # A harness that failed early may not have written its transcript at all.
+            log.warning("transcript_copy_failed", container=c.id[:12], path=path, error=str(e))
 
     async def _verify(
         self, req: RolloutRequest, task: Task, root: Path, containers: list[Any]

@@ -148,3 +148,17 @@ async def test_async_tap_backpressure_when_disk_lags(tmp_path):
         assert log.writer.pending_bytes <= 4096 + 200
     log.close()
     assert len(list(EventLogReader(p))) == 2000
+
+
+def test_reopen_truncates_a_cut_frame_and_appends(tmp_path):
+    p = tmp_path / "events.msgpack"
+    write(p, [Note(seq=i) for i in range(10)])
+    p.write_bytes(p.read_bytes()[:-3])  # kill -9 mid-write
+    w = EventLogWriter.reopen(p)
+    assert w.truncated_bytes > 0
+    for i in range(10, 15):
+        w.append("b.out", Note(seq=i))
+    w.close()
+    r = EventLogReader(p)
+    assert [e.msg.seq for e in r] == [*range(9), *range(10, 15)]
+    assert r.report.truncated_at is None and r.header.run_id == "run-1"

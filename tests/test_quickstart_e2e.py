@@ -56,3 +56,44 @@ def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["batches"]["replayed"] == out["batches"]["recorded"] == out["batches"]["identical"] == 3
+
+
+def test_kill_9_then_resume_neither_repeats_nor_skips_a_step(tmp_path):
+    import os
+    import signal
+    import time
+
+    from pipeline.eventlog import EventLogReader
+    from pipeline.messages import PolicyUpdated
+
+    model = tmp_path / "model"
+    run_dir = tmp_path / "run"
+    sets = [
+        f'experiment.build_model.path="{model}"', "experiment.build_model.tasks=60",
+        f'proxy.engine.model="{model}"', f'learner.model="{model}"',
+        "scheduler.sft_groups=0", "learner.sft_packs=0", "scheduler.steps=4", "learner.steps=4",
+        "scheduler.group_size=2", "scheduler.groups_per_step=2", "learner.groups_per_step=2",
+        "scheduler.tasks.count=20", "monitor.display=\"off\"", "learner.checkpoint_every=1",
+    ]
+    args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
+    for s in sets:
+        args += ["--set", s]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not (run_dir / "checkpoints" / "step00002" / "learner_state.json").exists():
+            assert proc.poll() is None, "the run ended before its second checkpoint"
+            assert time.monotonic() - t0 < 600, "no second checkpoint within 10 minutes"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # run.py and its harness children; the engine notices its parent died
+        proc.wait()
+    r = run("--resume", str(run_dir), "--no-watch")
+    assert r.returncode == 0, r.stderr[-4000:]
+    steps = [(e.msg.step, e.msg.batch_hash) for e in EventLogReader(run_dir / "events.msgpack")
+             if isinstance(e.msg, PolicyUpdated)]
+    trained = [s for s, h in steps if h]
+    assert len(trained) == len(set(trained)), f"a step was trained twice: {steps}"
+    assert sorted({s for s, _ in steps}) == [1, 2, 3, 4], f"a step is missing: {steps}"
+    assert [s for s, _ in steps] == sorted(s for s, _ in steps)

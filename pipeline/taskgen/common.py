@@ -33,7 +33,7 @@ mkdir -p "$LOGS/verifier"
 out="$(cd "$TESTS" && python3 -I -B check.py "$WS" 2>&1)"
 printf '%s\\n' "$out"
 secret="$(cat "$TESTS/secret.txt")"
-partial="$(printf '%s\\n' "$out" | sed -n "s/^BRIDLE-PARTIAL $secret \\([0-9.]*\\)\$/\\1/p" | head -n 1)"
+partial="$(printf '%s\\n' "$out" | sed -n "s/^BRIDLE-PARTIAL $secret \\([0-9.]*\\)\\$/\\1/p" | head -n 1)"
 if printf '%s\\n' "$out" | grep -qxF "BRIDLE-PASS $secret"; then
   echo 1 > "$LOGS/verifier/reward.txt"
 elif [ -n "$partial" ]; then
