@@ -68,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--calls", action="store_true", help="with --replay: list every recorded model call (one line each)"
     )
     p.add_argument(
+        "--trees",
+        action="store_true",
+        help="with --replay: rebuild each settled rollout's prefix tree and print its statistics (calls, leaves, "
+        "kept leaves, segments, depth, tokens total/packed/trainable, exact-prefix attach rate, drops by reason); "
+        "with --calls too, the tree call by call",
+    )
+    p.add_argument(
         "--serve",
         action="store_true",
         help="with --experiment: start only the engine and the proxy, print one JSON line with openai_base_url, "
@@ -103,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.runtime import ActorCrashed, Interrupted, make_resolver
 
     resolve = make_resolver(REGISTRY)
+    # Until a run configures its own log file: warnings and errors to stderr, stdout stays machine-readable.
+    logs.configure(None, level="warning")
     if args.build_images:
         from pipeline.images import main as build_images
 
@@ -112,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             log_path = Path(args.replay)
             if log_path.is_dir():
                 log_path = log_path / "events.msgpack"
+            if args.trees:
+                print("\n".join(launch.tree_lines(log_path, calls=args.calls)))
+                return 0
             if args.calls:
                 print("\n".join(launch.call_lines(log_path)))
                 return 0

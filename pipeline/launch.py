@@ -292,6 +292,21 @@ def call_lines(log_path: Path) -> list[str]:
     return out
 
 
+def tree_lines(log_path: Path, calls: bool = False) -> list[str]:
+    """Per-rollout tree statistics rebuilt from the recorded settled rollouts (``--replay LOG --trees``)."""
+    from pipeline.messages import SettledRollout
+    from pipeline.tree import TreeOptions, build_tree, format_calls, format_stats
+
+    out = []
+    for ev in EventLogReader(log_path):
+        if isinstance(ev.msg, SettledRollout):
+            tree = build_tree(ev.msg, TreeOptions())
+            out.append(format_stats(tree.summary(), tree.relabelled))
+            if calls:
+                out.append(format_calls(tree))
+    return out
+
+
 def summary_text(s: Any) -> str:
     lines = [
         f"event log  {s.path}",

@@ -47,6 +47,11 @@ def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):
     assert s["by_type"]["RolloutFinished"] == 16 + 2 * 2 * 3
     assert s["truncated_at"] is None
 
+    # per-rollout tree statistics, rebuilt from the log
+    lines = run("--replay", str(run_dir / "events.msgpack"), "--trees").stdout.strip().splitlines()
+    assert len(lines) == 16 + 2 * 2 * 3
+    assert all("exact-attach=100.0%" in ln for ln in lines)  # the white-box harness never rewrites history (C0)
+
     # the same log gives the same trees and the same training batches
     r = run("--replay", str(run_dir / "events.msgpack"), "--stage", "trees", "--run-dir", str(tmp_path / "rt"))
     assert r.returncode == 0, r.stderr[-3000:]
