@@ -76,7 +76,7 @@ class SandboxPool(Actor[SandboxConfig]):
                     fin = await backend.run(req, task, proxy_url=service.base_url, proxy_socket=service.unix_socket)
             finally:
                 self.running -= 1
-        self.log.info("rollout finished", rollout=req.rollout_id, status=fin.status, reward=fin.reward)
+        self.log.debug("rollout finished", rollout=req.rollout_id, status=fin.status, reward=fin.reward)
         await self.send("finished", fin)
         if self.out["metrics"].connected:
             await self.send("metrics", Metric(source=self.name, values={
