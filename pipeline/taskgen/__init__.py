@@ -12,11 +12,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 
-from pipeline.taskgen import bugfix, config_edit, create_file, csv_query, file_ops, text_processing
+from pipeline.taskgen import (
+    bugfix, config_edit, create_file, create_word, csv_query, file_ops, text_processing,
+)
 from pipeline.tasks import Task, TaskSpec, materialize
 
 FAMILIES: dict[str, ModuleType] = {
-    m.FAMILY: m for m in (create_file, file_ops, text_processing, config_edit, csv_query, bugfix)
+    m.FAMILY: m for m in (create_word, create_file, file_ops, text_processing, config_edit, csv_query, bugfix)
 }
 
 
