@@ -15,7 +15,7 @@ import msgspec
 from pipeline.config import Section
 from pipeline.messages import Metric, RolloutFinished, RolloutRequest, ServiceReady
 from pipeline.runtime import Actor
-from pipeline.sandbox import LocalBackend, LocalSettings, SandboxBackend
+from pipeline.sandbox import DockerBackend, DockerSettings, LocalBackend, LocalSettings, SandboxBackend
 from pipeline.tasks import TaskError, load_task
 
 
@@ -23,7 +23,7 @@ class SandboxConfig(Section):
     backend: Literal["local", "docker"] = "local"
     concurrency: int = 4
     local: LocalSettings = msgspec.field(default_factory=LocalSettings)
-    docker: dict[str, Any] = msgspec.field(default_factory=dict)  # pipeline.sandbox.DockerSettings fields
+    docker: DockerSettings = msgspec.field(default_factory=DockerSettings)
     reloadable = frozenset({"concurrency"})
 
 
@@ -34,9 +34,7 @@ class SandboxPool(Actor[SandboxConfig]):
     def _backend(self, run_id: str) -> SandboxBackend:
         if self.config.backend == "local":
             return LocalBackend(self.config.local, run_id=run_id)
-        from pipeline.sandbox import DockerBackend, DockerSettings
-
-        return DockerBackend(msgspec.convert(self.config.docker, DockerSettings), run_id=run_id)
+        return DockerBackend(self.config.docker, run_id=run_id)
 
     async def run(self) -> None:
         run_id = self.run_dir.name if self.run_dir is not None else "bridle"

@@ -27,7 +27,7 @@ log = get_logger(part="quickstart")
 
 
 class ModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    path: str = "runs/cache/quickstart-model"
+    path: str = "runs/cache/quickstart-model-v3"
     harness: str = "whitebox:S0T0O0C0W0"
     families: str = "create_file"
     tasks: int = 400  # generated episodes the vocabulary is collected from
@@ -77,7 +77,8 @@ def vocabulary(spec: ModelSpec) -> VocabTable:
     hx = _harness_module()
     seqs: list[Any] = [renderer.render_ids(c, add_generation_prompt=True) for c in episode_conversations(spec)]
     # every system prompt and tool wording, so other S/T/O realizations stay inside the table
-    for text in (*hx.SYSTEM_PROMPTS, json.dumps(hx.TOOLS_SPEC), hx.PLAN_REQUEST, hx.PLAN_ACK, hx.VERIFY_PROMPT):
+    for text in (*hx.SYSTEM_PROMPTS, json.dumps(hx.TOOLS_SPEC), hx.PLAN_REQUEST, hx.PLAN_ACK, hx.VERIFY_PROMPT,
+                 hx.SUMMARY_PROMPT, hx.SUMMARY_PREFIX, hx.STATE_PROMPT, hx.STATE_PREFIX):
         seqs.append(renderer.tokenizer.encode(text))
     seqs.append(renderer.tokenizer.encode("".join(chr(c) for c in range(32, 127)) + "\n\t"))
     return VocabTable.from_sequences(seqs)

@@ -102,3 +102,9 @@ def test_diff_reloadable_fixed_and_graph(tmp_path):
     d = cfg.diff(old, load(tmp_path, BASE.replace("[graph]", "[graph]\nqueue_size = 3")))
     assert d.refused == ["[graph].queue_size"]
     assert cfg.diff(old, load(tmp_path, BASE)).empty
+
+
+def test_every_shipped_experiment_validates():
+    for path in sorted(cfg.CONFIG_DIR.glob("*.toml")):
+        exp = cfg.load_experiment(path, resolve)
+        assert exp.graph.actors, path
