@@ -393,14 +393,18 @@ class Proxy:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_engine)
-            # Heartbeat / disconnect watch while the engine works; a dropped client aborts the engine request.
+            # While the engine works: watch the connection every 0.5 s (a dropped client aborts the engine
+            # request) and send a protocol keep-alive every keepalive_s on streams.
+            next_keepalive = anyio.current_time() + self.settings.keepalive_s
+            tick = min(0.5, self.settings.keepalive_s)
             while not done.is_set():
-                with anyio.move_on_after(self.settings.keepalive_s if stream else 0.5):
+                with anyio.move_on_after(tick):
                     await done.wait()
                 if done.is_set():
                     break
                 gone = request.transport is None or request.transport.is_closing()
-                if not gone and stream and resp is not None:
+                if not gone and stream and resp is not None and anyio.current_time() >= next_keepalive:
+                    next_keepalive = anyio.current_time() + self.settings.keepalive_s
                     try:
                         await resp.write(proto.keepalive(sstate))
                     except (ConnectionError, RuntimeError):
@@ -448,7 +452,11 @@ class Proxy:
                 await resp.write(proto.stream_rest(sstate, reply))
                 await resp.write_eof()
             except (ConnectionError, RuntimeError):
+                # The harness never saw this answer, so it is no part of its trajectory: not a trainable call.
                 log.info("client disconnected before the answer was delivered")
+                await fail("client disconnected before the answer was delivered")
+                st.calls += 1
+                return resp
         else:
             answer = web.json_response(proto.response(reply))
         await self.emit(ModelCall(

@@ -9,8 +9,9 @@ Script file (JSON or TOML), responses in a neutral form::
       ],
       "rollouts": {"roll-7": [{"text": "…", "thinking": "…"}]},   # optional, per rollout id
       "after_end": {"text": "Done."},                # answer once a rollout's list is used up
-      "latency_s": 0.0                               # simulated generation time per call
-    }
+      "latency_s": 0.0,                              # simulated generation time per call
+      "fail_calls": [3]                              # fault injection: these calls (0-based, over all
+    }                                                # rollouts) fail like an engine HTTP 500
 
 The n-th call of a rollout gets its n-th response (a retry advances the script too, as a sampling policy would
 produce a new answer). Each response is rendered with the chat template exactly as the model would have produced
@@ -30,7 +31,7 @@ import anyio
 import msgspec
 
 from pipeline.conversation import Message, ToolCall
-from pipeline.engine import EngineBadRequest, GenerateResult, Sampling
+from pipeline.engine import EngineBadRequest, EngineUnavailable, GenerateResult, Sampling
 from pipeline.render import Renderer
 
 
@@ -50,6 +51,7 @@ class Script(msgspec.Struct, forbid_unknown_fields=True):
     rollouts: dict[str, list[ScriptResponse]] = msgspec.field(default_factory=dict)
     after_end: ScriptResponse = msgspec.field(default_factory=lambda: ScriptResponse(text="Done."))
     latency_s: float = 0.0
+    fail_calls: list[int] = msgspec.field(default_factory=list)
 
 
 def load_script(path: str | Path) -> Script:
@@ -105,6 +107,9 @@ class ScriptedEngine:
             raise EngineBadRequest(
                 f"prompt of {len(input_ids)} tokens exceeds the context length {self.context_len}"
             )
+        if self.calls in self.script.fail_calls:
+            self.calls += 1
+            raise EngineUnavailable(f"HTTP 500: injected fault (call {self.calls - 1})")
         rollout = rollout_of(rid)
         n = self._next.get(rollout, 0)
         self._next[rollout] = n + 1
