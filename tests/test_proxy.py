@@ -14,8 +14,8 @@ import pytest
 from pipeline.messages import CallFailed, CallStarted, ModelCall, ids
 from pipeline.proxy import detect_label
 from pipeline.conversation import from_anthropic, from_chat
-from pipeline.scripted_engine import Script, ScriptResponse
-from proxyutil import sdk_openai, sdk_anthropic, DONE, TOOLS_ANTHROPIC, TOOLS_CHAT, TOOLS_RESPONSES, TWO, WRITE, model_calls, running_proxy
+from pipeline.scripted_engine import Script
+from proxyutil import sdk_openai, sdk_anthropic, DONE, TOOLS_ANTHROPIC, TOOLS_CHAT, TOOLS_RESPONSES, model_calls, running_proxy
 
 pytestmark = pytest.mark.anyio
 
