@@ -10,8 +10,8 @@ Script file (JSON or TOML), responses in a neutral form::
       "rollouts": {"roll-7": [{"text": "…", "thinking": "…"}]},   # optional, per rollout id
       "after_end": {"text": "Done."},                # answer once a rollout's list is used up
       "latency_s": 0.0,                              # simulated generation time per call
-      "fail_calls": [3]                              # fault injection: these calls (0-based, over all
-    }                                                # rollouts) fail like an engine HTTP 500
+      "fail_calls": [3]                              # fault injection: calls (0-based, all rollouts)
+    }                                                #   that fail like an engine HTTP 500
 
 The n-th call of a rollout gets its n-th response (a retry advances the script too, as a sampling policy would
 produce a new answer). Each response is rendered with the chat template exactly as the model would have produced
