@@ -2,9 +2,9 @@
 """Does the quickstart learn? Runs it with 3 seeds and prints the mean reward of the first 5 and last 5 RL steps.
 
 Claim checked: on every seed, mean reward over the last 5 steps exceeds the first 5 by at least MARGIN (0.1
-absolute, i.e. 10 points of pass rate). Why that margin: each step averages 16 rollouts (4 groups x 4), so a 5-step
-mean averages 80 binary rewards; its standard error is at most sqrt(0.25/80) ~= 0.056, and the difference of two
-such means has a standard error of at most ~0.079, so 0.1 is above one standard error of pure noise even in the
+absolute, i.e. 10 points of pass rate). Why that margin: each step averages 32 rollouts (4 groups x 8), so a 5-step
+mean averages 160 rewards in [0, 1]; its standard error is at most sqrt(0.25/160) ~= 0.04, and the difference of
+two such means has a standard error of at most ~0.056, so 0.1 is about two standard errors of pure noise in the
 worst case (p = 0.5), and the rise has to hold on 3 of 3 seeds. Prints a table; exits 1 if a seed misses.
 
     python benchmarks/quickstart_learning.py [--seeds 0 1 2] [--set k=v ...]
