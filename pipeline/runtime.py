@@ -56,9 +56,11 @@ class Output:
             try:
                 await s.send(msg)
             except anyio.BrokenResourceError:
-                # The receiving actor finished; it wants nothing more. Keep feeding the others.
-                get_logger(output=self.src).warning("receiver closed; dropping this edge")
-                self._sinks.remove(s)
+                # The receiving actor finished; it wants nothing more. Keep feeding the others. Several tasks of
+                # one actor may send concurrently and find the same closed receiver: drop it once.
+                if s in self._sinks:
+                    get_logger(output=self.src).info("receiver finished; dropping this edge")
+                    self._sinks.remove(s)
 
     async def aclose(self) -> None:
         for s in self._sinks:

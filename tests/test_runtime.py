@@ -184,3 +184,19 @@ async def test_reload_refuses_fixed_fields_and_invalid_files(tmp_path):
     p.write_text(text.replace("factor = 3.0", "factor = 9.0"))
     assert await sup.reload()
     assert scale.config.factor == 9.0 and sup.refusals == 2 and sup.reloads == 1
+
+
+async def test_concurrent_sends_to_a_finished_receiver_do_not_crash():
+    # The scheduler returns after issuing its last group while many sandbox tasks still report to it.
+    from pipeline.runtime import Output
+
+    out = Output("sandbox.finished", None)
+    send, recv = anyio.create_memory_object_stream(0)
+    other_send, other_recv = anyio.create_memory_object_stream(100)
+    out.connect(other_send)  # the open edge first: every task yields there before it meets the closed one
+    out.connect(send)
+    await recv.aclose()
+    async with anyio.create_task_group() as tg:
+        for i in range(20):
+            tg.start_soon(out.send, Note(seq=i))
+    assert other_recv.statistics().current_buffer_used == 20
