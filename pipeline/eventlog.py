@@ -96,12 +96,6 @@ class EventLogWriter:
         if len(self._buf) >= self._chunk:
             self.flush()
 
-    def append_event(self, event: Event) -> None:
-        self._frame(event)
-        self.frames += 1
-        if len(self._buf) >= self._chunk:
-            self.flush()
-
     @property
     def pending_bytes(self) -> int:
         return len(self._buf)
@@ -156,7 +150,6 @@ class AsyncEventLog:
         self.flush_interval = flush_interval
         self.max_pending = max_pending_bytes
         self._wake = anyio.Event()
-        self._drained = anyio.Event()
         self._lock = anyio.Lock()
         self.counts: Counter[str] = Counter()
 

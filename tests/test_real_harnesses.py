@@ -32,6 +32,12 @@ def first_divergence(a: np.ndarray, b: np.ndarray) -> int:
 async def drive(harness: str, tmp_path: Path, first_call: ScriptResponse) -> tuple[subprocess.CompletedProcess, list, Path]:
     binary = find_binary({"claude-code": "claude", "codex": "codex"}[harness])
     require(binary is not None, f"{harness} binary not installed (set BRIDLE_HARNESS_BIN)")
+    return await run_harness(harness, tmp_path, first_call, binary)
+
+
+async def run_harness(harness: str, tmp_path: Path, first_call: ScriptResponse, binary: str,
+                      ) -> tuple[subprocess.CompletedProcess, list, Path]:
+    """One scripted tool call then a final answer, through the real proxy; returns the process and the records."""
     ws, home = tmp_path / "ws", tmp_path / "home"
     ws.mkdir()
     home.mkdir()

