@@ -8,6 +8,7 @@ RolloutRequest), ``calls`` (CallStarted / ModelCall / CallFailed), ``metrics``.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -26,6 +27,7 @@ class ProxyConfig(Section):
     port: int = 0
     unix_socket: str = "auto"  # "auto": a socket in a temp dir (for Docker sandboxes); "": TCP only
     keepalive_s: float = 5.0
+    stream_head_s: float = 0.02  # a stream's head goes out when the engine has not answered within this
     max_body_bytes: int = 32 << 20
     context_len: int = 32768
     model_name: str = "policy"
@@ -40,13 +42,16 @@ class ProxyActor(Actor[ProxyConfig]):
     outputs = ("rollouts", "calls", "metrics")
 
     proxy: Proxy | None = None
+    _socket_dir: str = ""
 
     def settings(self) -> ProxySettings:
         c = self.config
         sock = c.unix_socket
         if sock == "auto":
-            sock = os.path.join(tempfile.mkdtemp(prefix="bridle-proxy-"), "proxy.sock")
+            self._socket_dir = tempfile.mkdtemp(prefix="bridle-proxy-")
+            sock = os.path.join(self._socket_dir, "proxy.sock")
         return ProxySettings(host=c.host, port=c.port, unix_socket=sock, keepalive_s=c.keepalive_s,
+                             stream_head_s=c.stream_head_s,
                              max_body_bytes=c.max_body_bytes, context_len=c.context_len, model_name=c.model_name,
                              subagent_model=c.subagent_model)
 
@@ -76,6 +81,8 @@ class ProxyActor(Actor[ProxyConfig]):
             finally:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                     await self.proxy.stop()
+                if self._socket_dir:
+                    shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     @property
     def ready(self) -> anyio.Event:

@@ -2,17 +2,20 @@
 
     python benchmarks/_zero_engine.py [--port 0]      # prints "ENGINE-READY http://127.0.0.1:PORT" on stdout
 
-It serves two endpoints with the same fixed answer ("OK" then <|im_end|>):
+It serves these endpoints with the same fixed answer ("OK" then <|im_end|>):
 
 - ``POST /generate``: SGLang's native response shape (``reference/sglang-api.md``), what bridle's proxy calls
   through :class:`pipeline.sglang_client.HttpEngine`;
 - ``POST /v1/chat/completions``: OpenAI-compatible, streamed as SSE when ``stream`` is true — the baseline the
-  load client calls directly, and what LiteLLM forwards to.
+  load client calls directly, and what LiteLLM forwards to;
+- with ``--tokenize`` also ``POST /tokenize/v1/chat/completions``: the same answer after rendering the request
+  with the Qwen3 chat template and tokenizing it (``pipeline.render.qwen3_renderer``), the work a real engine's
+  OpenAI endpoint does for a direct chat call and that bridle does instead of the engine (it sends ids).
 
-Both handlers do the same work a real server cannot avoid (read and parse the JSON body) and nothing else, so
+The plain handlers do the work a real server cannot avoid (read and parse the JSON body) and nothing else, so
 "via a proxy minus direct" isolates the proxy. It runs in its own process so that load client, proxy and engine
-never share an event loop. Only the standard library and aiohttp are imported (no pipeline code, no tokenizer):
-the output ids are passed in by the benchmark.
+never share an event loop. Without ``--tokenize`` only the standard library and aiohttp are imported (no pipeline
+code, no tokenizer): the output ids are passed in by the benchmark.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -33,7 +38,7 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def chat_stream_body(text: str, n_out: int, usage: bool) -> bytes:
+def chat_stream_body(text: str, n_out: int, usage: bool, prompt_tokens: int = 0) -> bytes:
     """A whole streamed chat completion (role, content, finish, optional usage, [DONE]) as one SSE body."""
     base = {"id": "chatcmpl-zero", "object": "chat.completion.chunk", "created": int(time.time()), "model": "policy"}
     frames = [
@@ -43,7 +48,7 @@ def chat_stream_body(text: str, n_out: int, usage: bool) -> bytes:
     ]
     if usage:
         frames.append(_sse({**base, "choices": [], "usage": {
-            "prompt_tokens": 0, "completion_tokens": n_out, "total_tokens": n_out}}))
+            "prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": prompt_tokens + n_out}}))
     frames.append(b"data: [DONE]\n\n")
     return b"".join(frames)
 
@@ -56,7 +61,7 @@ def chat_body(text: str, n_out: int) -> bytes:
     }).encode()
 
 
-def make_app(ids: tuple[int, ...] = DEFAULT_IDS, text: str = DEFAULT_TEXT) -> web.Application:
+def make_app(ids: tuple[int, ...] = DEFAULT_IDS, text: str = DEFAULT_TEXT, tokenize: bool = False) -> web.Application:
     stream_plain = chat_stream_body(text, len(ids), usage=False)
     stream_usage = chat_stream_body(text, len(ids), usage=True)
     plain = chat_body(text, len(ids))
@@ -86,6 +91,30 @@ def make_app(ids: tuple[int, ...] = DEFAULT_IDS, text: str = DEFAULT_TEXT) -> we
                                 headers={"Cache-Control": "no-cache"})
         return web.Response(body=plain, content_type="application/json")
 
+    render = None
+    if tokenize:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the bridle checkout this file is in
+        from pipeline.conversation import from_chat
+        from pipeline.render import qwen3_renderer
+
+        renderer = qwen3_renderer()
+
+        def render(body: dict) -> int:
+            # what SGLang's OpenAI endpoint does before it schedules: chat template + tokenization
+            return len(renderer.render_ids(from_chat(body)))
+
+    async def chat_tokenize(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        assert render is not None
+        n_in = render(body)
+        calls["chat"] += 1
+        if body.get("stream"):
+            so = body.get("stream_options")
+            usage = isinstance(so, dict) and bool(so.get("include_usage"))
+            payload = chat_stream_body(text, len(ids), usage=usage, prompt_tokens=n_in)
+            return web.Response(body=payload, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return web.Response(body=plain, content_type="application/json")
+
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "zero"}]})
 
@@ -96,13 +125,15 @@ def make_app(ids: tuple[int, ...] = DEFAULT_IDS, text: str = DEFAULT_TEXT) -> we
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/chat/completions", chat)
+    if tokenize:
+        app.router.add_post("/tokenize/v1/chat/completions", chat_tokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     return app
 
 
-async def serve(port: int, ids: tuple[int, ...], text: str) -> None:
-    runner = web.AppRunner(make_app(ids, text), access_log=None, handle_signals=True)
+async def serve(port: int, ids: tuple[int, ...], text: str, tokenize: bool) -> None:
+    runner = web.AppRunner(make_app(ids, text, tokenize), access_log=None, handle_signals=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port, backlog=1024)
     await site.start()
@@ -119,9 +150,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--ids", type=int, nargs="+", default=list(DEFAULT_IDS), help="output ids, stop token last")
     ap.add_argument("--text", default=DEFAULT_TEXT, help="the text those ids decode to (without the stop token)")
+    ap.add_argument("--tokenize", action="store_true",
+                    help="also serve /tokenize/v1/chat/completions (renders + tokenizes; needs bridle importable)")
     args = ap.parse_args()
     try:
-        asyncio.run(serve(args.port, tuple(args.ids), args.text))
+        asyncio.run(serve(args.port, tuple(args.ids), args.text, args.tokenize))
     except KeyboardInterrupt:
         pass
 

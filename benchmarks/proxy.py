@@ -9,7 +9,11 @@ Set-up (every process alone on its own event loop, everything on 127.0.0.1):
 
 - engine: ``benchmarks/_zero_engine.py``, an HTTP server that answers instantly with the ids of "OK"+<|im_end|>.
   It serves SGLang's native ``/generate`` (for bridle) and an OpenAI ``/v1/chat/completions`` that streams.
-- direct: the load client calls the engine's ``/v1/chat/completions`` (stream=true) itself — the baseline.
+- direct: the load client calls the engine's ``/v1/chat/completions`` (stream=true) itself — the baseline. The
+  engine only parses the JSON; a real engine's chat endpoint would also apply the chat template and tokenize the
+  prompt, work bridle does in its place (it sends ids to ``/generate``). So there is a second baseline:
+- direct+tokenize: the same call to ``/tokenize/v1/chat/completions``, where the zero engine also renders and
+  tokenizes the request (Qwen3 template, bridle's tiktoken tokenizer) before answering.
 - bridle: ``pipeline.proxy.Proxy`` over ``pipeline.sglang_client.HttpEngine`` pointed at the engine's
   ``/generate``, started by this script in its own process (``--serve-bridle``), one rollout token per client.
 - LiteLLM: ``litellm --config`` forwarding model "policy" to the engine's ``/v1/chat/completions``
@@ -19,10 +23,12 @@ Set-up (every process alone on its own event loop, everything on 127.0.0.1):
 
 Reported per level: direct p50 and requests/s; added latency = p50 (p99) via the proxy minus p50 (p99) direct;
 throughput via the proxy as a % of direct; bridle's render time (chat template + tokenization, Splicer.render) per
-call as the proxy measured it (``Proxy.render_seconds`` / calls). Goals: <= 1 ms p50 added at one client not
-counting rendering, >= 40 % of direct throughput at 64 clients. A second table says where the time goes: CPU
-seconds per request of each server process (from /proc, so it holds on a busy machine where wall-clock numbers
-swing) and bridle's per-call phases from ``ModelCall.timings``. Wall-clock numbers need a quiet machine with a
+call as the proxy measured it (``Proxy.render_seconds`` / calls); the direct+tokenize baseline and bridle's share of
+it. Goals: <= 1 ms p50 added at one client not counting rendering, >= 40 % of direct throughput at 64 clients,
+judged against the plain baseline and also reported against direct+tokenize. Another table says where the time
+goes: CPU seconds per request of each server process (from /proc, so it holds on a busy machine where wall-clock
+numbers swing) and bridle's per-call phases from ``ModelCall.timings``. ``--render-thread-chars`` sets bridle's
+``ProxySettings.render_thread_chars`` (1: tokenize every call in a worker thread, 0: never). Wall-clock numbers need a quiet machine with a
 core per process; on a shared 2-core box compare the CPU column.
 
 LiteLLM is a benchmark-only dependency and is not in pyproject.toml. Installing ``litellm[proxy]`` into bridle's
@@ -177,7 +183,7 @@ def client_main(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------- bridle proxy side
-async def serve_bridle(port: int, engine_url: str, rollouts: int) -> None:
+async def serve_bridle(port: int, engine_url: str, rollouts: int, render_thread_chars: int | None) -> None:
     import anyio
 
     from pipeline.logs import configure
@@ -200,7 +206,10 @@ async def serve_bridle(port: int, engine_url: str, rollouts: int) -> None:
             stats["post_s"] += t.sent - t.engine_end
 
     engine = HttpEngine(engine_url, timeout_s=60.0)
-    proxy = Proxy(engine, qwen3_renderer(), emit, ProxySettings(port=port))
+    settings = ProxySettings(port=port)
+    if render_thread_chars is not None:
+        settings.render_thread_chars = render_thread_chars
+    proxy = Proxy(engine, qwen3_renderer(), emit, settings)
     await proxy.start()
     tokens = [proxy.open_rollout(f"bench-{i}") for i in range(rollouts)]
     print("BRIDLE-READY " + json.dumps({"base_url": proxy.base_url, "tokens": tokens}), flush=True)
@@ -221,7 +230,7 @@ def serve_bridle_main(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(ROOT))
     port, engine_url = args.serve_bridle
-    anyio.run(serve_bridle, int(port), engine_url, args.rollouts)
+    anyio.run(serve_bridle, int(port), engine_url, args.rollouts, args.render_thread_chars)
 
 
 # ------------------------------------------------------------------------------------------ orchestration
@@ -401,11 +410,13 @@ def bench(args: argparse.Namespace) -> int:
     children: list[Child] = []
     try:
         engine = Child("engine", [sys.executable, str(ROOT / "benchmarks" / "_zero_engine.py"),
-                                  "--ids", *map(str, ids), "--text", "OK"], log_dir=tmp)
+                                  "--ids", *map(str, ids), "--text", "OK", "--tokenize"], log_dir=tmp)
         children.append(engine)
         engine_url = engine.wait_line("ENGINE-READY ", 60)
 
         serve_cmd = [sys.executable, str(HERE), "--serve-bridle", "0", engine_url, "--rollouts", str(max(args.levels))]
+        if args.render_thread_chars is not None:
+            serve_cmd += ["--render-thread-chars", str(args.render_thread_chars)]
         if args.py_spy:
             spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
             serve_cmd = [spy, "record", "--nonblocking", "--rate", "250", "-o", args.py_spy, "--format",
@@ -418,6 +429,7 @@ def bench(args: argparse.Namespace) -> int:
 
         targets: dict[str, tuple[str, str]] = {
             "direct": (engine_url + "/v1/chat/completions", "-"),
+            "direct_tok": (engine_url + "/tokenize/v1/chat/completions", "-"),
             "bridle": (ready["base_url"] + "/v1/chat/completions", str(bridle_tokens)),
         }
         if litellm_bin:
@@ -494,8 +506,11 @@ def bench(args: argparse.Namespace) -> int:
     def added(row: dict[str, Any], t: str, q: str) -> float | None:
         return row[t][q] - row["direct"][q] if t in row else None
 
-    def share(row: dict[str, Any], t: str) -> float | None:
-        return 100 * row[t]["rps"] / row["direct"]["rps"] if t in row else None
+    def share(row: dict[str, Any], t: str, base: str = "direct") -> float | None:
+        return 100 * row[t]["rps"] / row[base]["rps"] if t in row else None
+
+    def added_tok(row: dict[str, Any], q: str = "p50") -> float:
+        return row["bridle"][q] - row["direct_tok"][q]
 
     head = ["clients", "direct p50 ms", "direct req/s", "bridle +p50 ms", "bridle +p99 ms", "LiteLLM +p50 ms",
             "LiteLLM +p99 ms", "bridle % direct", "LiteLLM % direct", "render ms/call"]
@@ -505,18 +520,31 @@ def bench(args: argparse.Namespace) -> int:
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
     print()
     print(f"Proxy overhead, {n_prompt}-token prompts, streaming chat completions, zero-latency engine "
-          f"(offline Splicer.render: {render_offline:.2f} ms/call; {os.cpu_count()} CPUs)")
+          f"(offline Splicer.render: {render_offline:.2f} ms/call; {os.cpu_count()} CPUs); direct: the engine only "
+          "parses the JSON")
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     for row in table:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     if "litellm" not in targets:
         print(f"LiteLLM: {litellm_why}")
     print()
+    print("Against the stricter baseline, direct+tokenize (the engine's chat endpoint renders and tokenizes the "
+          "prompt, as a real one does; bridle does that work itself and sends ids):")
+    head3 = ["clients", "direct+tok p50 ms", "direct+tok req/s", "bridle +p50 ms", "bridle +p99 ms",
+             "bridle % direct+tok"]
+    table3 = [[str(r["level"]), fmt(r["direct_tok"]["p50"], 2), fmt(r["direct_tok"]["rps"], 0), fmt(added_tok(r), 2),
+               fmt(added_tok(r, "p99"), 2), fmt(share(r, "bridle", "direct_tok"), 1)] for r in rows]
+    widths3 = [max(len(h), *(len(row[i]) for row in table3)) for i, h in enumerate(head3)]
+    print("  ".join(h.rjust(w) for h, w in zip(head3, widths3)))
+    for row in table3:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths3)))
+    print()
     print("Where the time goes (ms per request). CPU = the server process's user+system time / requests (robust to "
           "a busy machine); bridle phases from ModelCall.timings (wall time inside the proxy).")
-    head2 = ["clients", "engine CPU direct", "engine CPU via bridle", "bridle CPU", "LiteLLM CPU",
-             "bridle before engine", "bridle engine wait", "bridle after engine"]
-    table2 = [[str(r["level"]), fmt(r["cpu_ms"].get("engine:direct"), 2), fmt(r["cpu_ms"].get("engine:bridle"), 2),
+    head2 = ["clients", "engine CPU direct", "engine CPU direct+tok", "engine CPU via bridle", "bridle CPU",
+             "LiteLLM CPU", "bridle before engine", "bridle engine wait", "bridle after engine"]
+    table2 = [[str(r["level"]), fmt(r["cpu_ms"].get("engine:direct"), 2), fmt(r["cpu_ms"].get("engine:direct_tok"), 2),
+               fmt(r["cpu_ms"].get("engine:bridle"), 2),
                fmt(r["cpu_ms"].get("bridle"), 2), fmt(r["cpu_ms"].get("litellm"), 2),
                fmt(r["phases_ms"]["pre_s"], 2), fmt(r["phases_ms"]["engine_s"], 2), fmt(r["phases_ms"]["post_s"], 2)]
               for r in rows]
@@ -532,10 +560,16 @@ def bench(args: argparse.Namespace) -> int:
         ex = a - by_level[1]["render_ms"] if a is not None else None
         verdicts.append(f"1 client: bridle adds {fmt(ex, 2)} ms p50 excluding rendering "
                         f"({fmt(a, 2)} ms with it) — goal <= 1 ms: {'met' if ex is not None and ex <= 1.0 else 'MISSED'}")
+        at = added_tok(by_level[1])
+        verdicts.append(f"1 client vs direct+tokenize (both render): bridle adds {fmt(at, 2)} ms p50 — "
+                        f"<= 1 ms: {'met' if at <= 1.0 else 'MISSED'}")
     if 64 in by_level:
         s = share(by_level[64], "bridle")
         verdicts.append(f"64 clients: bridle keeps {fmt(s, 1)} % of direct throughput — goal >= 40 %: "
                         f"{'met' if s is not None and s >= 40 else 'MISSED'}")
+        st = share(by_level[64], "bridle", "direct_tok")
+        verdicts.append(f"64 clients vs direct+tokenize: bridle keeps {fmt(st, 1)} % of its throughput — "
+                        f">= 40 %: {'met' if st is not None and st >= 40 else 'MISSED'}")
     for v in verdicts:
         print(v)
     if args.json:
@@ -557,6 +591,8 @@ def main() -> None:
     ap.add_argument("--py-spy", metavar="OUT", help="record the bridle proxy with py-spy (.svg flamegraph or "
                     ".json speedscope)")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    ap.add_argument("--render-thread-chars", type=int, metavar="N",
+                    help="bridle's ProxySettings.render_thread_chars (0: always tokenize on the event loop)")
     # internal entry points (the children this script starts)
     ap.add_argument("--serve-bridle", nargs=2, metavar=("PORT", "ENGINE_URL"), help=argparse.SUPPRESS)
     ap.add_argument("--rollouts", type=int, default=64, help=argparse.SUPPRESS)

@@ -11,8 +11,10 @@ One ``train_step``:
 3. log pi_old: with a single update per batch (``epochs == minibatches == 1``) pi_old *is* the current policy, so
    its log-probs are the detached values of the same forward pass; otherwise a no-grad pass computes them first;
 4. per trainable token: TIS weight min(pi_old / pi_rollout, tis_cap), clipped surrogate with asymmetric
-   clipping, optional k3 KL to the initial policy and entropy bonus, PPO value loss; summed and divided by the
-   number of trainable tokens of the minibatch (token mean, shared prefixes counted once by construction);
+   clipping, optional k3 KL to the initial policy and entropy bonus, PPO value loss; aggregated by ``loss_agg``:
+   ``token_mean`` divides the sum by the number of trainable tokens of the minibatch (shared prefixes counted once
+   by construction); ``seq_mean_token_mean`` averages each rollout's tokens first, then the rollouts, so every
+   rollout weighs the same whatever its length (GRPO's original form; SFT is always a token mean);
 5. clip the gradient norm, AdamW step, LR schedule step.
 """
 
@@ -90,6 +92,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     temperature: float = 1.0  # the sampling temperature pi_rollout's logprobs were taken at
     epochs: int = 1
     minibatches: int = 1
+    # token_mean: every trainable token weighs the same, so long rollouts weigh more. seq_mean_token_mean: every
+    # rollout weighs the same; with many long failing samples (a small policy's garbage runs to max_new_tokens)
+    # token_mean tilts each step towards pushing logits down, which lifts every other token and can end in a
+    # uniform policy — the per-rollout mean keeps a group's advantages summing to zero.
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     # compute
     micro_batch_tokens: int = 16384
     logits_chunk: int = 4096  # rows of (rows x vocab) logits materialized at once
@@ -162,6 +169,7 @@ class _Tree:
     arrays: ta.TreeArrays
     targets: np.ndarray  # indices into the tree
     score: np.ndarray  # per target: GRPO advantage, or the reward (the PPO return)
+    weight: np.ndarray  # per target: its share in the loss aggregation (1 for a token mean)
     logp_rollout: np.ndarray
     n_rollouts: int
     reward_mean: float
@@ -172,6 +180,7 @@ class _Micro:
     forest: ta.TreeArrays
     targets: np.ndarray
     score: np.ndarray
+    weight: np.ndarray
     logp_rollout: np.ndarray
     old: dict[str, torch.Tensor] = field(default_factory=dict)  # logp / value under pi_old, logp under pi_ref
 
@@ -368,10 +377,15 @@ class Learner:
                 else rewards
             )
             score = adv.per_token(slot, arrays.rollout)[targets]
+        weight = np.ones(targets.shape[0], dtype=np.float32)
+        if not sft and cfg.loss_agg == "seq_mean_token_mean" and targets.size:
+            slots = arrays.rollout[targets]
+            weight = (1.0 / np.bincount(slots)[slots]).astype(np.float32)
         return _Tree(
             arrays=arrays,
             targets=targets,
             score=score.astype(np.float32),
+            weight=weight,
             logp_rollout=arrays.logprobs[targets],
             n_rollouts=len(group.rollouts),
             reward_mean=float(rewards.mean()) if rewards.size else 0.0,
@@ -402,6 +416,7 @@ class Learner:
                         [t.targets[k] - s + off for (t, s, _), k, off in zip(b, keep, offsets)]
                     ),
                     score=np.concatenate([t.score[k] for (t, _, _), k in zip(b, keep)]),
+                    weight=np.concatenate([t.weight[k] for (t, _, _), k in zip(b, keep)]),
                     logp_rollout=np.concatenate([t.logp_rollout[k] for (t, _, _), k in zip(b, keep)]),
                 )
             )
@@ -495,13 +510,15 @@ class Learner:
     def _accumulate(
         self, mbs: list[_Micro], value_phase: bool = False, sft: bool = False
     ) -> dict[str, float]:
-        """Forward + backward over the micro-batches of one update; the loss is a token mean over all of them."""
+        """Forward + backward over the micro-batches of one update; the loss is a weighted mean over all of them
+        (weights from ``loss_agg``: 1 per token for a token mean)."""
         cfg, acc = self.config, self.accelerator
         ppo = cfg.advantage == "ppo" and not sft
         dev = acc.device
         local = sum(len(mb.targets) for mb in mbs)
-        # DDP averages gradients over processes; scaling by processes / global count keeps a global token mean.
-        total = acc.reduce(torch.tensor(float(local), device=dev), reduction="sum").item()
+        local_weight = float(sum(mb.weight.sum(dtype=np.float64) for mb in mbs))
+        # DDP averages gradients over processes; scaling by processes / global weight keeps a global mean.
+        total = acc.reduce(torch.tensor(local_weight, device=dev), reduction="sum").item()
         scale = acc.num_processes / max(total, 1.0)
         value_mode = (
             "none" if not ppo else ("attached" if cfg.value_trunk_grad and not value_phase else "detached")
@@ -517,7 +534,7 @@ class Learner:
                 if loss.requires_grad:  # false only for a micro-batch without a single trainable token
                     acc.backward(loss)
             sums["tokens"] += len(mb.forest)
-            sums["loss"] += float(loss.detach()) / scale / max(local, 1)
+            sums["loss"] += float(loss.detach()) / scale / max(local_weight, 1e-12)
             _merge(sums, parts)
         return sums
 
@@ -542,13 +559,14 @@ class Learner:
             parts["sft_nll_sum"] = nll.detach().sum().item()
             return parts
         score = torch.as_tensor(mb.score, device=dev)
+        weight = torch.as_tensor(mb.weight, device=dev)
         logp_old = mb.old["logp"] if "logp" in mb.old else logp.detach()
         total = torch.zeros((), device=dev)
         if ppo:
             values = out["value"].float()
             values_old = mb.old["value"] if "value" in mb.old else values.detach()
             vloss, vclipped = losses.value_loss(values, values_old, score, cfg.value_clip)
-            total = total + cfg.value_coef * vloss.sum()
+            total = total + cfg.value_coef * (weight * vloss).sum()
             parts["value_loss_sum"] = vloss.detach().sum().item()
             parts["value_clip_sum"] = vclipped.sum().item()
             parts["value_sum"] = values_old.sum().item()
@@ -573,7 +591,7 @@ class Learner:
                 parts["kl_sum"] = kl.detach().sum().item()
             if cfg.entropy_coef:
                 per_token = per_token - cfg.entropy_coef * ent
-            total = total + per_token.sum()
+            total = total + (weight * per_token).sum()
         parts["loss_sum"] = total
         return parts
 

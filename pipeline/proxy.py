@@ -14,28 +14,40 @@ broken request or engine never turns into a retry storm (every retry would be a 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import os
 import secrets
 import time
-import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import anyio
 import msgspec
+import orjson
 from aiohttp import web
 
 from pipeline.conversation import Conversation, ConversionError, from_anthropic, from_chat, from_responses
 from pipeline.engine import Engine, EngineBadRequest, EngineError, GenerateResult, Sampling
 from pipeline.logs import get_logger
 from pipeline.messages import (
-    CallFailed, CallStarted, CallTimings, Message, ModelCall, RolloutRequest, SamplingParams, VersionSpan,
-    pack_f32, pack_i32,
+    CallFailed,
+    CallStarted,
+    CallTimings,
+    Message,
+    ModelCall,
+    RolloutRequest,
+    SamplingParams,
+    VersionSpan,
+    pack_f32,
+    pack_i32,
 )
 from pipeline.render import Renderer
 from pipeline.scripted_engine import Script, ScriptedEngine, ScriptResponse
-from pipeline.splice import Splicer
+from pipeline.splice import RenderPlan, RenderResult, Splicer
 from pipeline.wire import PROTOCOLS, ErrorKind, Protocol, Reply
 
 Emit = Callable[[Message], Awaitable[None]]
@@ -46,10 +58,21 @@ class ProxySettings(msgspec.Struct, kw_only=True):
     port: int = 0  # 0: pick a free port
     unix_socket: str = ""  # also listen here (Docker sandboxes reach the proxy through a mounted socket)
     keepalive_s: float = 5.0  # SSE heartbeat while the engine generates (<= 15 s per the wire rules)
+    # A stream's head (200, SSE headers, opening events) goes out once the engine has worked this long: a faster
+    # answer goes out whole in one write; anything slower gets its head within 20 ms, which no client can tell
+    # from "at once" (wire rules §4). 0 sends the head before waiting on the engine at all.
+    stream_head_s: float = 0.02
     max_body_bytes: int = 32 << 20
     context_len: int = 32768  # prompt + output must fit; longer prompts get a context-length error
     model_name: str = "policy"
     subagent_model: str = "policy-subagent"  # a model id harnesses are told to use for subagents
+    # A call with at least this many characters of new prompt text (not covered by the splicer's prefix cache)
+    # is tokenized in a worker thread, so the event loop keeps serving other calls meanwhile (the tokenizer
+    # releases the GIL); shorter ones are tokenized inline. A hop costs ~0.1 ms of CPU and makes the tokenization
+    # itself ~0.25 ms slower (measured at 2k tokens), so it pays only for long texts and with a core to spare:
+    # 32k characters is ~8k tokens, ~2 ms of tokenizing. 0 tokenizes every call inline.
+    render_thread_chars: int = 32768
+    render_threads: int = 2  # worker threads for that
 
 
 @dataclass
@@ -59,6 +82,9 @@ class RolloutState:
     seq: int = 0
     pending: set[str] = field(default_factory=set)
     calls: int = 0
+    # one render of this rollout's Splicer at a time (a render may run in a worker thread; parallel calls of one
+    # rollout, e.g. subagents, would otherwise render concurrently)
+    render_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class ProxyError(Exception):
@@ -139,6 +165,8 @@ class Proxy:
         self.by_id: dict[str, str] = {}  # rollout id -> token
         self.policy_version = 0
         self.log = get_logger(actor="proxy")
+        self._stdlog = logging.getLogger("bridle")  # what get_logger's records go through (level checks)
+        self._render_limiter: anyio.CapacityLimiter | None = None
         self.runner: web.AppRunner | None = None
         self.base_url = ""
         self.unix_socket = ""
@@ -200,6 +228,7 @@ class Proxy:
         return app
 
     async def start(self) -> str:
+        self._render_limiter = anyio.CapacityLimiter(max(1, self.settings.render_threads))
         self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.settings.host, self.settings.port)
@@ -247,9 +276,14 @@ class Proxy:
         except web.HTTPRequestEntityTooLarge:
             raise ProxyError("too_large", f"request body over {self.settings.max_body_bytes} bytes") from None
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ProxyError("invalid_request", f"body is not valid JSON: {e}") from None
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            # orjson refuses some JSON that clients do send and json accepts (lone surrogate escapes from truncated
+            # tool output, integers over 64 bits); json also words the error for the client
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ProxyError("invalid_request", f"body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise ProxyError("invalid_request", f"body must be a JSON object, got {type(body).__name__}")
         return body
@@ -305,18 +339,17 @@ class Proxy:
             return self._error(proto, e.kind, str(e))
         req = st.request
         label = detect_label(protocol, request.headers, body, conv, self.settings.subagent_model)
-        call_id = uuid.uuid4().hex[:16]
+        call_id = os.urandom(8).hex()
         seq = st.seq
         st.seq += 1
-        log = self.log.bind(rollout=req.rollout_id, call=call_id, seq=seq, protocol=protocol, label=label)
+        # bound only when something is logged: binding costs more per call than the logging a call usually does
+        ctx = {"rollout": req.rollout_id, "call": call_id, "seq": seq, "protocol": protocol, "label": label}
 
-        t0 = time.perf_counter()
         try:
-            rendered = st.splicer.render(conv)
-        except Exception as e:  # a conversation the template cannot render is the request's fault
-            log.warning("render failed", error=repr(e))
+            rendered, render_s = await self._render(st, conv)
+        except Exception as e:  # noqa: BLE001 — a conversation the template cannot render is the request's fault
+            self.log.bind(**ctx).warning("render failed", error=repr(e))
             return self._error(proto, "invalid_request", f"cannot render this conversation: {e}")
-        render_s = time.perf_counter() - t0
         self.render_seconds += render_s
         input_ids = rendered.ids
         n_in = int(input_ids.shape[0])
@@ -337,16 +370,29 @@ class Proxy:
         await self.emit(CallStarted(rollout_id=req.rollout_id, call_id=call_id, seq=seq, t=received))
         try:
             return await self._generate_and_answer(
-                request, proto, conv, st, call_id, seq, label, input_ids, sampling, rendered, render_s, received, log,
+                request, proto, conv, st, call_id, seq, label, input_ids, sampling, rendered, render_s, received, ctx,
                 include_usage=_include_usage(body),
             )
         finally:
             st.pending.discard(call_id)
 
+    async def _render(self, st: RolloutState, conv: Conversation) -> tuple[RenderResult, float]:
+        """Splicer.render, tokenizing in a worker thread when there is much new text; (result, seconds)."""
+        async with st.render_lock:
+            t0 = time.perf_counter()
+            plan = st.splicer.plan(conv)
+            if (self._render_limiter is None or not 0 < self.settings.render_thread_chars <= plan.chars
+                    or not self.renderer.thread_safe):
+                return st.splicer.tokenize(plan), time.perf_counter() - t0
+            plan_s = time.perf_counter() - t0
+            rendered, tokenize_s = await anyio.to_thread.run_sync(_timed_tokenize, st.splicer, plan,
+                                                                  limiter=self._render_limiter)
+            return rendered, plan_s + tokenize_s
+
     async def _generate_and_answer(
         self, request: web.Request, proto: Protocol, conv: Conversation, st: RolloutState, call_id: str, seq: int,
-        label: str, input_ids: Any, sampling: Sampling, rendered: Any, render_s: float, received: float, log: Any,
-        include_usage: bool,
+        label: str, input_ids: Any, sampling: Sampling, rendered: RenderResult, render_s: float, received: float,
+        ctx: dict[str, Any], include_usage: bool,
     ) -> web.StreamResponse:
         req = st.request
         engine = self.engine_for(st)
@@ -354,91 +400,80 @@ class Proxy:
         model = conv.model or self.settings.model_name
         stream = bool(conv.sampling.stream)
         n_in = int(input_ids.shape[0])
-        resp: web.StreamResponse | None = None
+        resp: web.StreamResponse | None = None  # a stream whose head was sent while the engine worked
         sstate = proto.new_state(model, n_in, include_usage=include_usage)
 
         async def fail(reason: str) -> None:
             await self.emit(CallFailed(rollout_id=req.rollout_id, call_id=call_id, seq=seq, reason=reason,
                                        t=time.time()))
 
-        if stream:
-            resp = web.StreamResponse(status=200, headers={
-                "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"})
-            try:
-                await resp.prepare(request)
-                await resp.write(proto.stream_open(sstate))
-            except (ConnectionError, RuntimeError):
-                await fail("client disconnected before generation")
-                return resp
-
         engine_start = time.time()
-        result: GenerateResult | None = None
-        error: tuple[ErrorKind, str] | None = None
+        # The engine call runs as a plain asyncio task (aiohttp handlers always run on asyncio): most calls finish
+        # within the first watch tick, and a task group + event + cancel scope per call cost more than the rest of
+        # the waiting. Streams send their head only when the engine has not answered within stream_head_s, so a
+        # quick answer goes out as one write (head, events and end together).
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(_run_engine(engine, input_ids, sampling, rid))
         disconnected = False
-
-        done = anyio.Event()
-
-        async def run_engine() -> None:
-            nonlocal result, error
-            try:
-                result = await engine.generate(input_ids, sampling, rid=rid)
-            except EngineBadRequest as e:
-                msg = str(e)
-                error = ("context_length" if "context" in msg.lower() or "longer" in msg.lower()
-                         else "invalid_request", msg)
-            except EngineError as e:
-                error = ("server", f"engine failed: {e}")
-            finally:
-                done.set()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run_engine)
-            # While the engine works: watch the connection every 0.5 s (a dropped client aborts the engine
-            # request) and send a protocol keep-alive every keepalive_s on streams.
-            next_keepalive = anyio.current_time() + self.settings.keepalive_s
-            tick = min(0.5, self.settings.keepalive_s)
-            while not done.is_set():
-                with anyio.move_on_after(tick):
-                    await done.wait()
-                if done.is_set():
-                    break
+        try:
+            # While the engine works: watch the connection every tick (a dropped client aborts the engine request)
+            # and send a protocol keep-alive every keepalive_s on streams; a stream's first wait is stream_head_s.
+            keepalive_s = self.settings.keepalive_s
+            tick = min(0.5, keepalive_s)
+            next_keepalive = loop.time() + keepalive_s
+            wait_s = self.settings.stream_head_s if stream else tick
+            while not task.done():
+                if wait_s > 0:
+                    await asyncio.wait((task,), timeout=wait_s)
+                    if task.done():
+                        break
+                wait_s = tick
                 gone = request.transport is None or request.transport.is_closing()
-                if not gone and stream and resp is not None and anyio.current_time() >= next_keepalive:
-                    next_keepalive = anyio.current_time() + self.settings.keepalive_s
+                if not gone and stream:
                     try:
-                        await resp.write(proto.keepalive(sstate))
+                        if resp is None:
+                            resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+                            await resp.prepare(request)
+                            await resp.write(proto.stream_open(sstate))
+                        if loop.time() >= next_keepalive:
+                            next_keepalive = loop.time() + keepalive_s
+                            await resp.write(proto.keepalive(sstate))
                     except (ConnectionError, RuntimeError):
                         gone = True
                 if gone:
                     disconnected = True
                     with anyio.move_on_after(10):
                         await engine.abort(rid)
-                    tg.cancel_scope.cancel()
                     break
+        finally:
+            if not task.done():  # the client left, or this handler was cancelled (server shutdown)
+                task.cancel()
+                await asyncio.wait((task,))
         engine_end = time.time()
+        # a stream whose head was not sent yet gets it in the same write as the rest (built first: Responses numbers
+        # its events in order)
+        head = proto.stream_open(sstate) if stream and resp is None and not disconnected else b""
 
         if disconnected:
-            log.info("client disconnected; engine request aborted")
+            if not task.cancelled():
+                task.exception()  # retrieved: whatever the engine said no longer matters
+            self.log.bind(**ctx).info("client disconnected; engine request aborted")
             await fail("client disconnected")
             return resp if resp is not None else web.Response(status=499)
+        result, error = task.result()
         if error is not None:
             kind, msg = error
-            log.warning("engine error", error=msg)
+            self.log.bind(**ctx).warning("engine error", error=msg)
             await fail(msg)
-            if resp is not None:
-                try:
-                    await resp.write(proto.stream_error(sstate, kind, msg))
-                    await resp.write_eof()
-                except (ConnectionError, RuntimeError):
-                    pass
-                return resp
+            if stream:
+                return await self._finish_stream(request, resp, head, proto.stream_error(sstate, kind, msg))
             return self._error(proto, kind, msg)
         assert result is not None
         if result.finish_reason == "abort":
             await fail("engine aborted the request")
-            if resp is not None:
-                await resp.write(proto.stream_error(sstate, "server", "generation aborted"))
-                return resp
+            if stream:
+                return await self._finish_stream(request, resp, head,
+                                                 proto.stream_error(sstate, "server", "generation aborted"))
             return self._error(proto, "server", "generation aborted")
 
         out_ids = result.output_ids
@@ -447,18 +482,18 @@ class Proxy:
         finish = "length" if result.finish_reason == "length" else ("tool_calls" if parsed.tool_calls else "stop")
         reply = Reply(parsed=parsed, finish=finish, input_tokens=n_in, output_tokens=len(out_ids), model=model,
                       conv=conv)
-        if resp is not None:
+        if stream:
             try:
-                await resp.write(proto.stream_rest(sstate, reply))
-                await resp.write_eof()
+                answer = await self._finish_stream(request, resp, head, proto.stream_rest(sstate, reply),
+                                                   strict=True)
             except (ConnectionError, RuntimeError):
                 # The harness never saw this answer, so it is no part of its trajectory: not a trainable call.
-                log.info("client disconnected before the answer was delivered")
+                self.log.bind(**ctx).info("client disconnected before the answer was delivered")
                 await fail("client disconnected before the answer was delivered")
                 st.calls += 1
-                return resp
+                return resp if resp is not None else web.Response(status=499)
         else:
-            answer = web.json_response(proto.response(reply))
+            answer = web.Response(body=orjson.dumps(proto.response(reply)), content_type="application/json")
         await self.emit(ModelCall(
             rollout_id=req.rollout_id, call_id=call_id, seq=seq, protocol=proto.name,  # type: ignore[arg-type]
             label=label,  # type: ignore[arg-type]
@@ -469,9 +504,53 @@ class Proxy:
                                 sent=time.time(), render_s=render_s),
         ))
         st.calls += 1
-        log.debug("call done", input_tokens=n_in, output_tokens=len(out_ids), finish=finish,
-                  spliced=len(rendered.spliced_turns), rendered=len(rendered.rendered_turns))
-        return resp if resp is not None else answer
+        if self._stdlog.isEnabledFor(logging.DEBUG):
+            self.log.bind(**ctx).debug("call done", input_tokens=n_in, output_tokens=len(out_ids), finish=finish,
+                                       spliced=len(rendered.spliced_turns), rendered=len(rendered.rendered_turns))
+        return answer
+
+    @staticmethod
+    async def _finish_stream(request: web.Request, resp: web.StreamResponse | None, head: bytes, rest: bytes, *,
+                             strict: bool = False) -> web.StreamResponse:
+        """Send the rest of a stream and end it, in one write: with the status line and head when the head was
+        not sent yet (then as a body with a length instead of chunks: the same bytes to SSE clients).
+
+        ``strict`` lets a write failure (the client left) raise; otherwise it is ignored, since there is nothing
+        left to tell that client."""
+        try:
+            if resp is None:
+                resp = web.Response(status=200, headers=_SSE_HEADERS, body=head + rest)
+                await resp.prepare(request)  # a Response holds its headers back until the body is written
+                await resp.write_eof()
+            else:
+                await resp.write_eof(rest)
+        except (ConnectionError, RuntimeError):
+            if strict:
+                raise
+        return resp
+
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+def _timed_tokenize(splicer: Splicer, plan: RenderPlan) -> tuple[RenderResult, float]:
+    t0 = time.perf_counter()
+    rendered = splicer.tokenize(plan)
+    return rendered, time.perf_counter() - t0
+
+
+async def _run_engine(
+    engine: Engine, input_ids: Any, sampling: Sampling, rid: str
+) -> tuple[GenerateResult | None, tuple[ErrorKind, str] | None]:
+    """(result, None), or (None, (error kind, message)) for an engine failure the client is told about."""
+    try:
+        return await engine.generate(input_ids, sampling, rid=rid), None
+    except EngineBadRequest as e:
+        msg = str(e)
+        return None, ("context_length" if "context" in msg.lower() or "longer" in msg.lower()
+                      else "invalid_request", msg)
+    except EngineError as e:
+        return None, ("server", f"engine failed: {e}")
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

@@ -129,6 +129,9 @@ class Renderer:
 
     tokenizer: Tokenizer
     generation_prompt: str = ""
+    # render_text and the tokenizer may run in worker threads, several at once (the proxy renders big requests off
+    # its event loop); False keeps every render on the caller's thread
+    thread_safe: bool = False
 
     def render_text(
         self, conv: Conversation, *, start: int = 0, add_generation_prompt: bool = True, causal: bool = True
@@ -167,6 +170,10 @@ class Renderer:
 
 class Qwen3Renderer(Renderer):
     """Qwen3-family ChatML with tools, in Python (fast, and causal per message for the splicer)."""
+
+    @property
+    def thread_safe(self) -> bool:  # type: ignore[override]
+        return self.tokenizer.thread_safe  # render_text itself only reads
 
     def __init__(self, tokenizer: Tokenizer, *, enable_thinking: bool = True) -> None:
         self.tokenizer = tokenizer

@@ -30,7 +30,7 @@ import numpy as np
 
 from pipeline.conversation import Conversation, Message, ToolCall
 from pipeline.logs import get_logger
-from pipeline.render import Renderer
+from pipeline.render import RenderedText, Renderer
 from pipeline.toolparse import ParsedOutput, split_thinking
 
 log = get_logger(part="splice")
@@ -83,8 +83,30 @@ class _Prefix:
     rendered: list[int]
 
 
+@dataclass
+class RenderPlan:
+    """What :meth:`Splicer.plan` decided: the cached prefix to reuse and the text to tokenize after it."""
+
+    conv: Conversation
+    msgs: list[Message]
+    tools: list[Any]
+    prefix: _Prefix | None
+    start: int  # first message rendered as text
+    rendered: RenderedText
+
+    @property
+    def chars(self) -> int:
+        return len(self.rendered.text)
+
+
 class Splicer:
-    """Per-rollout store of sampled turns + prefix cache. Not thread-safe (one event loop owns it)."""
+    """Per-rollout store of sampled turns + prefix cache.
+
+    ``render`` is ``tokenize(plan(conv))``; ``tokenize`` may run in a worker thread while ``record`` runs on the
+    event loop: ``record`` only adds store entries (single dict/list operations, atomic under the GIL) and
+    ``tokenize`` only reads them. Two renders of one Splicer must not overlap (both update the prefix cache); the
+    proxy holds a per-rollout lock from ``plan`` to the end of ``tokenize``.
+    """
 
     def __init__(self, renderer: Renderer, *, max_prefixes: int = 8) -> None:
         self.renderer = renderer
@@ -153,6 +175,12 @@ class Splicer:
         return best
 
     def render(self, conv: Conversation, *, add_generation_prompt: bool = True) -> RenderResult:
+        return self.tokenize(self.plan(conv, add_generation_prompt=add_generation_prompt))
+
+    def plan(self, conv: Conversation, *, add_generation_prompt: bool = True) -> RenderPlan:
+        """The cheap half of :meth:`render`: pick the cached prefix and render the text after it.
+
+        ``plan.chars`` says how much text :meth:`tokenize` (the costly half) will encode."""
         msgs = list(conv.messages)
         tools = list(conv.tools)
         prefix = self._best_prefix(msgs, tools)
@@ -162,6 +190,11 @@ class Splicer:
             prefix, start = None, 0
             r = self.renderer.render_text(conv, start=0, add_generation_prompt=add_generation_prompt)
             assert r is not None
+        return RenderPlan(conv=conv, msgs=msgs, tools=tools, prefix=prefix, start=start, rendered=r)
+
+    def tokenize(self, plan: RenderPlan) -> RenderResult:
+        """The costly half of :meth:`render`: tokenize the planned text and splice in the stored turns."""
+        conv, prefix, start, r = plan.conv, plan.prefix, plan.start, plan.rendered
         enc = self.tokenizer.encode_np
         text = r.text
         chunks: list[np.ndarray] = [prefix.ids] if prefix is not None else []
@@ -200,8 +233,8 @@ class Splicer:
         if boundary_ids >= 0:
             self._remember(
                 _Prefix(
-                    messages=msgs,
-                    tools=tools,
+                    messages=plan.msgs,
+                    tools=plan.tools,
                     ids=ids[:boundary_ids],
                     spliced=spliced[:],
                     rendered=rendered[:],

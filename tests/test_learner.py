@@ -58,6 +58,7 @@ CASES = {
         "tis_cap": 1.5,
     },
     "ppo": {"advantage": "ppo", "value_trunk_grad": True},
+    "grpo_seq_mean": {"advantage": "grpo", "loss_agg": "seq_mean_token_mean"},
     "sft": {},
 }
 
@@ -110,6 +111,24 @@ def test_grpo_loss_hand_checked_through_the_model():
     want = -(torch.exp(pi - rollout).clamp(max=2.0) * adv).mean()
     assert metrics["trainable_tokens"] == 3
     assert metrics["loss"] == pytest.approx(want.item(), abs=1e-5)
+
+
+def test_seq_mean_token_mean_weighs_every_rollout_the_same():
+    """loss_agg = seq_mean_token_mean: mean over each rollout's tokens, then over rollouts (here 2 tokens and 1)."""
+    model = tiny_qwen3(5)
+    p = [Item(11), Item(12)]
+    paths = [p + [Item(20, 0, True, -5.0), Item(21, 0, True, -0.01)], p + [Item(30, 1, True, -1.0)]]
+    g = group(paths, [1.0, 0.0], ["ok", "ok"])
+    metrics = _learner(copy.deepcopy(model), tis_cap=2.0, loss_agg="seq_mean_token_mean").loss_and_grads([g])
+    with torch.no_grad():
+        logp0 = torch.log_softmax(model(torch.tensor([[11, 12, 20]])).logits[0], -1)
+        logp1 = torch.log_softmax(model(torch.tensor([[11, 12]])).logits[0], -1)
+    a = 0.5 / np.std([1.0, 0.0], ddof=1)
+    term = lambda lp, lr, adv: (torch.exp(lp - lr).clamp(max=2.0) * adv).item()
+    r0 = (term(logp0[1, 20], -5.0, a) + term(logp0[2, 21], -0.01, a)) / 2
+    r1 = term(logp1[1, 30], -1.0, -a)
+    assert metrics["trainable_tokens"] == 3
+    assert metrics["loss"] == pytest.approx(-(r0 + r1) / 2, abs=1e-5)
 
 
 def _bandit_group(learner: Learner, rng: torch.Generator, size: int, gid: str) -> TreeGroup:

@@ -1,0 +1,189 @@
+"""HttpEngine's own /generate connections against a raw HTTP server that answers in every framing HTTP/1.1 allows.
+
+SGLang (uvicorn) answers with Content-Length and keeps connections alive (closing them when idle); a router or
+another proxy in between may answer chunked, close after each answer, or speak HTTP/1.0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import anyio
+import pytest
+
+from pipeline.engine import EngineProtocolError, EngineUnavailable, Sampling
+from pipeline.sglang_client import HttpEngine
+
+ANSWER = {
+    "output_ids": [7, 8],
+    "meta_info": {"id": "x", "finish_reason": {"type": "stop", "matched": 8},
+                  "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]]},
+}
+
+
+class RawServer:
+    """Reads whole requests; answers each with ``frame(body_bytes)`` and closes when that says so."""
+
+    def __init__(self, frame) -> None:
+        self.frame = frame
+        self.requests: list[dict] = []
+        self.connections = 0
+        self.disconnects = 0
+        self.server: asyncio.AbstractServer | None = None
+        self.hold = False  # never answer (a slow engine)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                body = json.loads(await reader.readexactly(length))
+                self.requests.append(body)
+                if self.hold:
+                    await reader.read()  # until the client goes away
+                    self.disconnects += 1
+                    return
+                data, close = self.frame(json.dumps({**ANSWER, "meta_info": {**ANSWER["meta_info"],
+                                                                             "id": body["rid"]}}).encode())
+                writer.write(data)
+                await writer.drain()
+                if close:
+                    writer.close()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            return
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+def content_length(body: bytes) -> tuple[bytes, bool]:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body, False
+
+
+def chunked(body: bytes) -> tuple[bytes, bool]:
+    parts = [body[:5], body[5:17], body[17:]]
+    out = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    for p in parts:
+        out += b"%x;ext=1\r\n" % len(p) + p + b"\r\n"
+    return out + b"0\r\nX-Trailer: 1\r\n\r\n", False
+
+
+def until_close(body: bytes) -> tuple[bytes, bool]:
+    return b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + body, True
+
+
+def close_after(body: bytes) -> tuple[bytes, bool]:
+    return (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)) + body, True
+
+
+@pytest.mark.parametrize("frame,reused", [(content_length, True), (chunked, True), (until_close, False),
+                                          (close_after, False)])
+def test_every_response_framing_and_connection_reuse(frame, reused):
+    async def main():
+        srv = RawServer(frame)
+        async with srv as url, HttpEngine(url) as eng:
+            for i in range(3):
+                res = await eng.generate([1, 2, 3], Sampling(), rid=f"r{i}")
+                assert res.output_ids == [7, 8] and res.logprobs == [-0.5, -0.25] and res.rid == f"r{i}"
+            assert [r["input_ids"] for r in srv.requests] == [[1, 2, 3]] * 3
+            assert srv.connections == (1 if reused else 3)
+
+    anyio.run(main)
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced():
+    async def main():
+        srv = RawServer(content_length)
+        async with srv as url, HttpEngine(url) as eng:
+            await eng.generate([1], Sampling(), rid="a")
+            # the server drops its idle keep-alive connections (uvicorn does after 5 s)
+            srv.frame = close_after
+            await eng.generate([1], Sampling(), rid="b")  # answered, then closed by the server
+            srv.frame = content_length
+            res = await eng.generate([1], Sampling(), rid="c")
+            assert res.rid == "c" and srv.connections == 2
+
+    anyio.run(main)
+
+
+def test_stale_pooled_connection_is_retried_once_on_a_fresh_one():
+    async def main():
+        srv = RawServer(content_length)
+        async with srv as url, HttpEngine(url) as eng:
+            await eng.generate([1], Sampling(), rid="a")
+            [conn] = eng._idle
+            # the server closed it, but the client has not noticed yet: mark it open again
+            conn.transport.close()
+            await anyio.sleep(0.05)
+            conn.closed = False
+            conn.transport = _WriteIntoVoid(conn)
+            res = await eng.generate([1], Sampling(), rid="b")
+            assert res.rid == "b" and srv.connections == 2
+
+    anyio.run(main)
+
+
+class _WriteIntoVoid:
+    """A transport whose peer is gone: the write is lost and the connection reports the loss."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        asyncio.get_running_loop().call_soon(self.conn.connection_lost, ConnectionResetError("reset by peer"))
+
+    def close(self) -> None:
+        pass
+
+
+def test_cancelling_a_generation_closes_its_connection_and_the_engine_sees_it():
+    async def main():
+        srv = RawServer(content_length)
+        srv.hold = True
+        async with srv as url, HttpEngine(url) as eng:
+            with anyio.move_on_after(0.2):
+                await eng.generate([1], Sampling(), rid="slow")
+            with anyio.fail_after(5):
+                while srv.disconnects == 0:
+                    await anyio.sleep(0.01)
+            assert eng._idle == []
+
+    anyio.run(main)
+
+
+def test_timeouts_errors_and_garbage():
+    async def main():
+        srv = RawServer(content_length)
+        srv.hold = True
+        async with srv as url:
+            async with HttpEngine(url, timeout_s=0.2) as eng:
+                with pytest.raises(EngineUnavailable, match="timed out"):
+                    await eng.generate([1], Sampling(), rid="slow")
+            srv.hold = False
+            srv.frame = lambda body: (b"HTTP/1.1 abc\r\n\r\n", True)
+            async with HttpEngine(url) as eng:
+                with pytest.raises(EngineProtocolError, match="malformed HTTP response"):
+                    await eng.generate([1], Sampling(), rid="bad")
+            srv.frame = lambda body: (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{", True)
+            async with HttpEngine(url) as eng:
+                with pytest.raises(EngineUnavailable, match="failed"):
+                    await eng.generate([1], Sampling(), rid="cut")
+            srv.frame = lambda body: (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy", False)
+            async with HttpEngine(url) as eng:
+                with pytest.raises(EngineUnavailable, match="HTTP 503: busy"):
+                    await eng.generate([1], Sampling(), rid="busy")
+
+    anyio.run(main)
