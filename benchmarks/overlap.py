@@ -12,6 +12,7 @@ own step time (metrics). Goal (issue #10): overlapped step time <= 1.15 x max(ro
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -22,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.eventlog import EventLogReader  # noqa: E402
-from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest, TreeGroup  # noqa: E402
+from pipeline.eventlog import EventLogReader
+from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest, TreeGroup
 
 
 def measure(run_dir: Path) -> dict[str, float]:
@@ -44,7 +45,7 @@ def measure(run_dir: Path) -> dict[str, float]:
             updates.append((ev.t, m.step))
             batches[m.step] = pending
             pending = []
-    steps = [b - a for (a, _), (b, _) in zip(updates, updates[1:])]
+    steps = [b - a for (a, _), (b, _) in itertools.pairwise(updates)]
     rollout = [max(finished[g] for g in gs) - min(issued[g] for g in gs) for s, gs in batches.items() if gs and s > 1]
     train = [json.loads(x)["step_s"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
              if json.loads(x).get("source") == "learner.rl"]
@@ -66,17 +67,23 @@ def main() -> int:
                "--set", 'monitor.display="off"']
         for s in args.sets:
             cmd += ["--set", s]
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
         if r.returncode != 0:
             print(f"{name}: run failed:\n{r.stderr[-3000:]}", file=sys.stderr)
             return 1
         results[name] = measure(run_dir)
-    print(f"{'mode':12s} {'step s (median)':>16s} {'rollout s':>10s} {'train s':>8s} {'step / max(rollout, train)':>28s}")
-    for name, m in results.items():
-        print(f"{name:12s} {m['step']:>16.2f} {m['rollout']:>10.2f} {m['train']:>8.2f} "
-              f"{m['step'] / max(m['rollout'], m['train']):>28.2f}")
     o, s = results["overlapped"], results["synchronous"]
-    print(f"overlapped / synchronous step time: {o['step'] / s['step']:.2f}   goal: overlapped <= 1.15 x max(rollout, train)")
+    # The bound: a step can take no less than producing its rollouts alone or training on them alone; both are
+    # measured in the synchronous run, where neither competes with the other (in the overlapped run a batch's
+    # rollouts also wait in the sandbox queue behind the next batch's, so their span is not the cost of a step).
+    bound = max(s["rollout"], s["train"])
+    print(f"{'mode':12s} {'step s (median)':>16s} {'rollout s':>10s} {'train s':>8s} {'step / bound':>13s}")
+    for name, m in results.items():
+        print(f"{name:12s} {m['step']:>16.2f} {m['rollout']:>10.2f} {m['train']:>8.2f} {m['step'] / bound:>13.2f}")
+    print(f"bound = max(rollout, train) of the synchronous run = {bound:.2f} s; overlapped / synchronous step time: "
+          f"{o['step'] / s['step']:.2f}")
+    ok = o["step"] <= 1.15 * bound
+    print(f"goal: overlapped step <= 1.15 x bound: {'met' if ok else 'MISSED'} ({o['step'] / bound:.2f} x)")
     return 0
 
 
