@@ -39,6 +39,9 @@ class LearnerActorConfig(Section):
     sft_batch_groups: int = 1  # demonstration packs ([tree].sft_pack rollouts each) per SFT update
     checkpoint_every: int = 1  # RL steps between checkpoints (0: only at the end); resume starts from the last
     keep_weights: int = 2  # weight folders kept in runs/<run>/weights
+    # CPU threads for the learner's torch ops (0: torch's default, one per core). On a CPU that also runs the
+    # engine and the harnesses, idle OpenMP workers spin and take cores from the rollouts: the quickstart uses 1.
+    threads: int = 0
     train: LearnerConfig = msgspec.field(default_factory=LearnerConfig)  # the RL stage
     # The SFT stage has its own optimizer (and usually a larger learning rate); RL then starts from the SFT
     # weights with a fresh optimizer, so no SFT momentum leaks into the policy-gradient updates.
@@ -56,6 +59,10 @@ class LearnerActor(Actor[LearnerActorConfig]):
             raise ValueError("[learner].model: give the HF folder of the initial policy")
         assert self.run_dir is not None
         self.model_dir = Path(c.model)
+        if c.threads:
+            import torch  # process-wide; the learner is this process's only torch user
+
+            torch.set_num_threads(c.threads)
         self.vocab = load_vocab_table(self.model_dir)
         self.steps_done = 0
         received = 0

@@ -21,6 +21,9 @@ from pipeline.scheduling import Assignment, Planner, TaskSource, load_tasks, may
 
 class SchedulerConfig(Section):
     tasks: TaskSource = msgspec.field(default_factory=TaskSource)
+    # Tasks of the demonstrations. Unset: they are the first sft_groups of the training stream. Set: a separate
+    # set, so training can cycle over a small fixed pool the demonstrations never showed (quickstart).
+    sft_tasks: TaskSource | None = None
     mode: Literal["single", "mix", "scaling"] = "single"
     harness: str = "whitebox:S0T0O0C0W0"
     harnesses: list[str] = msgspec.field(default_factory=list)  # mix mode
@@ -51,6 +54,10 @@ class Scheduler(Actor[SchedulerConfig]):
         assert self.run_dir is not None, "the scheduler needs a run directory for its tasks"
         tasks = load_tasks(c.tasks, self.run_dir)
         self.planner = Planner(tasks, c.mode, c.harness, c.harnesses, c.k, c.groups_per_step, c.seed)
+        self.sft_planner = self.planner
+        if c.sft_tasks is not None:
+            sft_tasks = load_tasks(c.sft_tasks, self.run_dir, "sft_tasks")
+            self.sft_planner = Planner(sft_tasks, "single", c.harness, [], c.k, c.groups_per_step, c.seed)
         self.version = 0
         self.steps_done = 0  # RL steps the learner finished (PolicyUpdated.step)
         self.warm = c.sft_groups == 0  # training waits for the update after the demonstrations
@@ -66,12 +73,14 @@ class Scheduler(Actor[SchedulerConfig]):
             self.train_issued = min(self.total, self.steps_done * c.groups_per_step)
             self.sft_issued = c.sft_groups
             self.warm = False  # wait for the learner's resumed weights to reach the engine
-            for _ in range(c.sft_groups):
-                self.planner._next_task()
+            if self.sft_planner is self.planner:
+                for _ in range(c.sft_groups):
+                    self.planner.next_task()
             for s in range(self.steps_done):
                 self.planner.step(s)
             self.log.info("resumed", steps_done=self.steps_done, next_group=self.train_issued)
-        self.log.info("scheduler ready", tasks=len(tasks), mode=c.mode, groups=self.total, sft_groups=c.sft_groups)
+        self.log.info("scheduler ready", tasks=len(tasks), sft_tasks=len(self.sft_planner.tasks), mode=c.mode,
+                      groups=self.total, sft_groups=c.sft_groups)
         await self._issue()
         if self._done():
             return
@@ -103,7 +112,7 @@ class Scheduler(Actor[SchedulerConfig]):
         c = self.config
         while len(self.in_flight) < c.max_groups_in_flight:
             if self.sft_issued < c.sft_groups:
-                a = Assignment(self.planner._next_task(), c.harness, -1)
+                a = Assignment(self.sft_planner.next_task(), c.harness, -1)
                 await self._send_group(f"sft{self.sft_issued:04d}", a, "sft", c.sft_group_size)
                 self.sft_issued += 1
                 continue

@@ -13,6 +13,7 @@ what to expect"); confirm any change with `benchmarks/quickstart_learning.py`.
 
     python benchmarks/grpo_sim.py --run runs/<a quickstart run> [--seeds 0 1 2] [--steps 30] [--groups 8]
         [--group-size 8] [--set lr=5e-4 --set kl_coef=0.05 ...]   # any [learner.train] (LearnerConfig) field
+        [--pool 40]     # train on 40 of the run's RL tasks, one shuffled pass per epoch (as the quickstart does)
         [--eval 40]                                                # sampled-outcome breakdown before and after
 
 SFT weights are computed once per (seed, SFT steps) and cached under the run folder (`grpo_sim/`).
@@ -68,7 +69,7 @@ def compact(g: TreeGroup, vocab: VocabTable) -> TreeGroup:
 
 
 def load_run(run: Path) -> tuple[str, list[TreeGroup], dict[str, np.ndarray]]:
-    """(model path, SFT packs, first prompt per task id) from a quickstart run folder."""
+    """(model path, SFT packs, first prompt per RL task id) from a quickstart run folder."""
     cfg = tomllib.loads((run / "config.toml").read_text())
     model = cfg["learner"]["model"]
     model = str(ROOT / model) if not Path(model).is_absolute() else model
@@ -79,7 +80,7 @@ def load_run(run: Path) -> tuple[str, list[TreeGroup], dict[str, np.ndarray]]:
         m = ev.msg
         if isinstance(m, TreeGroup) and m.purpose == "sft":
             sft.append(m)
-        elif isinstance(m, RolloutRequest):
+        elif isinstance(m, RolloutRequest) and m.purpose == "train":  # the tasks RL trained on
             task_of[m.rollout_id] = m.task_id
         elif isinstance(m, ModelCall) and m.seq == 0 and m.rollout_id in task_of:
             first.setdefault(task_of[m.rollout_id], ids(m.input_ids))
@@ -171,6 +172,10 @@ def run_seed(args: argparse.Namespace, seed: int, model_path: str, sft: list[Tre
     learner = Learner(str(sft_dir), cfg)
     tasks = sorted(prompts)
     held = tasks[: args.eval]
+    if args.pool:
+        # a fixed pool (the same for every seed), visited in a fresh shuffled order each epoch
+        tasks = random.Random(1000).sample(tasks, args.pool)
+    order: list[str] = []
     if args.eval:
         print(f"seed {seed} before RL: {breakdown(learner, vocab, renderer, prompts, held)}", flush=True)
     rng = random.Random(seed)
@@ -180,7 +185,12 @@ def run_seed(args: argparse.Namespace, seed: int, model_path: str, sft: list[Tre
         model = learner._policy().eval()
         groups, step_rewards = [], []
         for gi in range(args.groups):
-            task = rng.choice(tasks)
+            if args.pool:
+                if not order:
+                    order = rng.sample(tasks, len(tasks))
+                task = order.pop()
+            else:
+                task = rng.choice(tasks)
             outs, lps = sample(model, vocab, prompts[task], args.group_size)
             want = expected(task)
             settled = []
@@ -219,6 +229,8 @@ def main() -> int:
     ap.add_argument("--sft-steps", type=int, default=160)
     ap.add_argument("--sft-lr", type=float, default=1e-3)
     ap.add_argument("--set", dest="sets", action="append", default=[], help="LearnerConfig field=TOML value")
+    ap.add_argument("--pool", type=int, default=0,
+                    help="train on this many tasks, one shuffled pass per epoch (0: draw from all recorded tasks)")
     ap.add_argument("--eval", type=int, default=0, help="tasks in the before/after outcome breakdown (8 samples)")
     args = ap.parse_args()
     configure(level="warning")

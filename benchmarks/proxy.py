@@ -90,13 +90,14 @@ def user_message(prompt: str, tag: str) -> str:
     return f"Request {tag}. Summarize the following notes in one word.\n\n{prompt}"
 
 
-def chat_body(prompt: str, tag: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_message(prompt, tag)}],
-        "stream": True,
-        "max_tokens": max_tokens,
-    }
+def chat_body(prompt: str, tag: str, max_tokens: int, turn: int = 0) -> dict[str, Any]:
+    """Call ``turn`` of a conversation: the long first message, then per earlier call the answer ("OK", what the
+    zero engine says) and a short follow-up, as an agent harness resends its history (``--turns``)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_message(prompt, tag)}]
+    for k in range(1, turn + 1):
+        messages += [{"role": "assistant", "content": "OK"},
+                     {"role": "user", "content": f"Step {k} of request {tag}. " + long_text(40, seed=k)}]
+    return {"model": MODEL, "messages": messages, "stream": True, "max_tokens": max_tokens}
 
 
 def build_prompt(target_tokens: int) -> tuple[str, int]:
@@ -134,11 +135,14 @@ def offline_render_ms(prompt: str, n: int = 40) -> float:
 
 # ------------------------------------------------------------------------------------------ load client
 async def run_client(url: str, tokens: list[str], concurrency: int, requests: int, warmup: int, prompt: str,
-                     tag: str, max_tokens: int) -> dict[str, Any]:
+                     tag: str, max_tokens: int, turns: int = 1) -> dict[str, Any]:
     import aiohttp
 
-    total = warmup + requests
-    bodies = [json.dumps(chat_body(prompt, f"{tag}-{i}", max_tokens)).encode() for i in range(total)]
+    # a worker takes the next conversation and makes its `turns` calls in order, on its own rollout token
+    n_warm = -(-warmup // turns)
+    total = n_warm + -(-requests // turns)
+    bodies = [[json.dumps(chat_body(prompt, f"{tag}-{i}", max_tokens, t)).encode() for t in range(turns)]
+              for i in range(total)]
     headers = [{"Content-Type": "application/json", **({"Authorization": f"Bearer {tokens[w % len(tokens)]}"}
                                                         if tokens else {})} for w in range(concurrency)]
     lat: list[float] = []
@@ -150,23 +154,25 @@ async def run_client(url: str, tokens: list[str], concurrency: int, requests: in
         while next_i < stop:
             i = next_i
             next_i += 1
-            t0 = time.perf_counter()
-            try:
-                async with session.post(url, data=bodies[i], headers=headers[w]) as resp:
-                    data = await resp.read()
-                    status = resp.status
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                errors.append(f"{type(e).__name__}: {e}")
-                continue
-            t1 = time.perf_counter()
-            if status != 200 or b"OK" not in data:
-                errors.append(f"HTTP {status}: {data[:300]!r}")
-            elif keep:
-                lat.append(t1 - t0)
+            for body in bodies[i]:
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(url, data=body, headers=headers[w]) as resp:
+                        data = await resp.read()
+                        status = resp.status
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    break
+                t1 = time.perf_counter()
+                if status != 200 or b"OK" not in data:
+                    errors.append(f"HTTP {status}: {data[:300]!r}")
+                    break
+                if keep:
+                    lat.append(t1 - t0)
 
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
-        await asyncio.gather(*(worker(w, warmup, False) for w in range(concurrency)))
+        await asyncio.gather(*(worker(w, n_warm, False) for w in range(concurrency)))
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w, total, True) for w in range(concurrency)))
         wall = time.perf_counter() - t0
@@ -178,7 +184,7 @@ def client_main(args: argparse.Namespace) -> None:
     tokens = json.loads(Path(token_file).read_text()) if token_file != "-" else []
     prompt = Path(prompt_file).read_text()
     res = asyncio.run(run_client(url, tokens, args.concurrency, args.requests, args.warmup, prompt, args.tag,
-                                 args.max_tokens))
+                                 args.max_tokens, args.turns))
     print("CLIENT-RESULT " + json.dumps(res), flush=True)
 
 
@@ -372,15 +378,20 @@ def start_litellm(binary: str, engine_url: str, tmp: Path) -> tuple[Child, str, 
 
 
 def run_level(url: str, token_file: str, prompt_file: Path, concurrency: int, requests: int, tag: str,
-              max_tokens: int) -> dict[str, Any]:
+              max_tokens: int, turns: int) -> dict[str, Any]:
     cmd = [sys.executable, str(HERE), "--client", url, token_file, str(prompt_file),
-           "--concurrency", str(concurrency), "--requests", str(requests),
-           "--warmup", str(max(2 * concurrency, 8)), "--tag", tag, "--max-tokens", str(max_tokens)]
+           "--concurrency", str(concurrency), "--requests", str(requests), "--turns", str(turns),
+           "--warmup", str(warmup_requests(concurrency, turns)), "--tag", tag, "--max-tokens", str(max_tokens)]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     for line in out.stdout.splitlines():
         if line.startswith("CLIENT-RESULT "):
             return json.loads(line[len("CLIENT-RESULT "):])
     raise RuntimeError(f"client for {url} failed (exit {out.returncode}): {out.stderr[-2000:]}")
+
+
+def warmup_requests(concurrency: int, turns: int) -> int:
+    """Untimed requests before a level's timed ones: whole conversations, at least two per client."""
+    return max(2 * concurrency, 8) * turns
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -401,6 +412,14 @@ def bench(args: argparse.Namespace) -> int:
 
     ids = QwenTokenizer().encode("OK<|im_end|>")
     prompt, n_prompt = build_prompt(args.prompt_tokens)
+    workload = f"{n_prompt}-token prompts"
+    if args.turns > 1:
+        from pipeline.conversation import from_chat
+        from pipeline.render import qwen3_renderer
+
+        n_last = len(qwen3_renderer().render_ids(from_chat(chat_body(prompt, "0-x-0-0", 16, args.turns - 1))))
+        workload = (f"conversations of {args.turns} calls, prompts of {n_prompt}-{n_last} tokens (each call resends "
+                    "the history plus a short message)")
     render_offline = offline_render_ms(prompt)
     litellm_bin, litellm_why = find_litellm("none" if args.no_litellm else args.litellm)
 
@@ -461,9 +480,10 @@ def bench(args: argparse.Namespace) -> int:
                         bridle.send("stats")
                         before = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
                     cpu0 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
-                    r = run_level(url, tok, prompt_file, level, per_round, f"{level}-{t}-{rnd}", args.max_tokens)
+                    r = run_level(url, tok, prompt_file, level, per_round, f"{level}-{t}-{rnd}", args.max_tokens,
+                                  args.turns)
                     cpu1 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
-                    done = r["errors"] + len(r["latencies"]) + max(2 * level, 8)  # warm-up requests count too
+                    done = r["errors"] + len(r["latencies"]) + warmup_requests(level, args.turns)  # warm-up counts
                     # CPU per request of the server in the path: the proxy for bridle/LiteLLM, the engine always
                     if t in procs:
                         cpu[t] += cpu1[t] - cpu0[t]
@@ -519,7 +539,7 @@ def bench(args: argparse.Namespace) -> int:
               fmt(share(r, "bridle"), 1), fmt(share(r, "litellm"), 1), fmt(r["render_ms"], 2)] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
     print()
-    print(f"Proxy overhead, {n_prompt}-token prompts, streaming chat completions, zero-latency engine "
+    print(f"Proxy overhead, {workload}, streaming chat completions, zero-latency engine "
           f"(offline Splicer.render: {render_offline:.2f} ms/call; {os.cpu_count()} CPUs); direct: the engine only "
           "parses the JSON")
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
@@ -573,7 +593,7 @@ def bench(args: argparse.Namespace) -> int:
     for v in verdicts:
         print(v)
     if args.json:
-        Path(args.json).write_text(json.dumps({"prompt_tokens": n_prompt, "render_offline_ms": render_offline,
+        Path(args.json).write_text(json.dumps({"prompt_tokens": n_prompt, "turns": args.turns, "render_offline_ms": render_offline,
                                                "rows": rows}, indent=1))
     errors = sum(r[t]["errors"] for r in rows for t in targets if t in r)
     return 1 if errors else 0
@@ -586,6 +606,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level (spreads machine noise)")
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=1,
+                    help="calls per conversation: 1 = every request a fresh 2k-token prompt (the worst case for "
+                    "bridle, which then tokenizes all of it); T > 1 = agent-like rollouts whose calls resend the "
+                    "history plus a short new message")
     ap.add_argument("--litellm", help=f"LiteLLM binary (default {LITELLM_DEFAULT}, then PATH)")
     ap.add_argument("--no-litellm", action="store_true")
     ap.add_argument("--py-spy", metavar="OUT", help="record the bridle proxy with py-spy (.svg flamegraph or "

@@ -32,12 +32,13 @@ class TaskSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
 
 
-def load_tasks(src: TaskSource, run_dir: Path) -> list[Task]:
+def load_tasks(src: TaskSource, run_dir: Path, folder: str = "tasks") -> list[Task]:
+    """Built-in families are generated into ``run_dir/folder``; a folder source is read in place."""
     if src.tasks.startswith("builtin:"):
         from pipeline.taskgen import generate_to
 
         fams = src.tasks.removeprefix("builtin:")
-        out = run_dir / "tasks"
+        out = run_dir / folder
         if out.exists():  # a resumed run keeps its tasks
             return load_task_dir(out)
         return generate_to(out, fams, src.count, seed=src.seed)
@@ -69,7 +70,7 @@ class Planner:
         self.training = training_configs() if mode == "scaling" else []
         self._blocks: list[list[tuple[Task, list[str]]]] = []
 
-    def _next_task(self) -> Task:
+    def next_task(self) -> Task:
         if not self._order:
             self._order = list(self.tasks)
             self.rng.shuffle(self._order)
@@ -78,11 +79,11 @@ class Planner:
     def step(self, step: int) -> list[Assignment]:
         """The B groups of training step ``step``."""
         if self.mode == "single":
-            return [Assignment(self._next_task(), self.harness, step) for _ in range(self.B)]
+            return [Assignment(self.next_task(), self.harness, step) for _ in range(self.B)]
         if self.mode == "mix":
             out: list[Assignment] = []
             while len(out) < self.B:
-                t = self._next_task()
+                t = self.next_task()
                 out += [Assignment(t, h, step) for h in self.harnesses]
             return out[: self.B]
         # scaling: a block of K steps shares its tasks; step j of the block uses each task's j-th harness
@@ -90,7 +91,7 @@ class Planner:
         while len(self._blocks) <= block:
             self._blocks.append([
                 (t, ["whitebox:" + c.name for c in locality_assignment(self.training, self.k, self.rng)])
-                for t in (self._next_task() for _ in range(self.B))
+                for t in (self.next_task() for _ in range(self.B))
             ])
         return [Assignment(t, hs[j], step) for t, hs in self._blocks[block]]
 

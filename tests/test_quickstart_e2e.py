@@ -42,6 +42,14 @@ def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [m for m in metrics if m["source"] == "learner.rl"]
     assert [m["step"] for m in rl] == [1, 2]
+    # demonstrations come from their own task set ([scheduler].sft_tasks), training from the pool
+    from pipeline.eventlog import EventLogReader
+    from pipeline.messages import RolloutRequest
+
+    reqs = [e.msg for e in EventLogReader(run_dir / "events.msgpack")
+            if isinstance(e.msg, RolloutRequest) and e.src.startswith("scheduler")]
+    folders = {p: {Path(r.task_path).parent for r in reqs if r.purpose == p} for p in ("sft", "train")}
+    assert folders == {"sft": {run_dir / "sft_tasks"}, "train": {run_dir / "tasks"}}
     s = json.loads(run("--replay", str(run_dir / "events.msgpack"), "--json").stdout)
     assert s["by_type"]["PolicyUpdated"] == 3  # after SFT, after each of the 2 RL steps
     assert s["by_type"]["RolloutFinished"] == 16 + 2 * 2 * 3
