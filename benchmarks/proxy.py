@@ -2,6 +2,7 @@
 
     python benchmarks/proxy.py                         # levels 1 16 64, ~300 requests per level and target
     python benchmarks/proxy.py --levels 1 64 --requests 200 --no-litellm
+    python benchmarks/proxy.py --turns 8               # agent-like rollouts: 8 calls, each resending the history
     python benchmarks/proxy.py --py-spy /tmp/bridle.json # also profile the bridle proxy (pip install py-spy;
                                                        # .json = speedscope, .svg = flamegraph)
 
