@@ -197,7 +197,9 @@ async def start_embedded_engine(
     python: str = sys.executable,
 ) -> AsyncIterator[HttpEngine]:
     """Run ``python -m pipeline.embedded_engine`` on a free port and yield a ready client."""
-    port_dir = tempfile.mkdtemp(prefix="bridle-engine-port-")
+    # next to the log (the run folder) when there is one: a SIGKILLed run then leaves nothing behind in /tmp
+    port_dir = tempfile.mkdtemp(prefix="bridle-engine-port-",
+                                dir=log_path.parent if log_path and log_path.parent.is_dir() else None)
     port_file = Path(port_dir) / "port"
     cmd = [
         python,
