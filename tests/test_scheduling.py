@@ -16,9 +16,12 @@ def tasks(tmp_path_factory):
 
 def test_single_mode_cycles_every_task_before_repeating(tasks):
     p = Planner(tasks, "single", "whitebox:S0T0O0C0W0", [], 2, 3, seed=1)
-    first = [a.task.id for s in range(2) for a in p.step(s)]
-    assert sorted(first) == sorted(t.id for t in tasks)
-    assert {a.harness for s in range(4) for a in p.step(s)} == {"whitebox:S0T0O0C0W0"}
+    # 6 tasks, 3 groups a step: every 2-step window is one whole pass (what the quickstart's pool relies on),
+    # in a fresh order each pass
+    epochs = [[a.task.id for s in (2 * e, 2 * e + 1) for a in p.step(s)] for e in range(4)]
+    assert all(sorted(ep) == sorted(t.id for t in tasks) for ep in epochs)
+    assert len({tuple(ep) for ep in epochs}) > 1
+    assert {a.harness for s in range(8, 10) for a in p.step(s)} == {"whitebox:S0T0O0C0W0"}
 
 
 def test_mix_mode_pairs_each_task_with_each_harness(tasks):
