@@ -55,7 +55,7 @@ class Scheduler(Actor[SchedulerConfig]):
         tasks = load_tasks(c.tasks, self.run_dir)
         self.planner = Planner(tasks, c.mode, c.harness, c.harnesses, c.k, c.groups_per_step, c.seed)
         self.sft_planner = self.planner
-        if c.sft_tasks is not None:
+        if c.sft_tasks is not None and c.sft_groups:
             sft_tasks = load_tasks(c.sft_tasks, self.run_dir, "sft_tasks")
             self.sft_planner = Planner(sft_tasks, "single", c.harness, [], c.k, c.groups_per_step, c.seed)
         self.version = 0
