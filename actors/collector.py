@@ -6,7 +6,7 @@ from typing import Any
 
 import anyio
 
-from pipeline.collector import SettleSettings, Settler
+from pipeline.collector import Settler, SettleSettings
 from pipeline.config import Section
 from pipeline.messages import Metric, ServiceReady
 from pipeline.runtime import Actor

@@ -35,7 +35,8 @@ class Monitor(Actor[MonitorConfig]):
         self.rewards: list[float] = []
         path = self.run_dir / "metrics.jsonl"
         live = None
-        f: TextIO = open(path, "a", encoding="utf-8")
+        # held open for the whole run (one short line per metric); closed in the finally below
+        f: TextIO = open(path, "a", encoding="utf-8")  # noqa: ASYNC230, SIM115
         try:
             if self.config.display == "auto" and sys.stderr.isatty():
                 from rich.live import Live
@@ -101,5 +102,5 @@ class Monitor(Actor[MonitorConfig]):
         try:
             out = write_plots(path, path.parent)
             self.log.info("plots written", files=[p.name for p in out])
-        except Exception as e:  # plots are a convenience; never let them hide the run's real outcome
+        except Exception as e:  # noqa: BLE001 — plots are a convenience; never let them hide the run's outcome
             self.log.warning("plots failed", error=repr(e))

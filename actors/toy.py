@@ -69,7 +69,7 @@ class Sink(Actor[SinkConfig]):
     outputs = ()
 
     async def run(self) -> None:
-        f = open(self.config.path, "a", encoding="utf-8") if self.config.path else None
+        f = open(self.config.path, "a", encoding="utf-8") if self.config.path else None  # noqa: ASYNC230, SIM115
         try:
             async for msg in self.messages():
                 if isinstance(msg, Note) and msg.seq == self.config.fail_at:

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """A zero-latency engine for the proxy benchmark: an HTTP server on 127.0.0.1 that answers instantly.
 
     python benchmarks/_zero_engine.py [--port 0]      # prints "ENGINE-READY http://127.0.0.1:PORT" on stdout

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Embedded-engine throughput: aggregate output tokens/s at several concurrency levels, over real HTTP.
 
     python benchmarks/engine.py                       # quickstart-sized model, reduced vocabulary, 1 and 16

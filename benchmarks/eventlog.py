@@ -21,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader  # noqa: E402
-from pipeline.messages import ModelCall, Note, pack_f32, pack_i32  # noqa: E402
+from pipeline.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
+from pipeline.messages import ModelCall, Note, pack_f32, pack_i32
 
 
 def header() -> LogHeader:

@@ -29,10 +29,9 @@ import random
 import statistics
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

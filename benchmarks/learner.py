@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Learner step time for one group in three layouts: one prefix tree, one sequence per trajectory, one per call.
 
 The shape (issue 9): 4 rollouts x 12 turns, a 4096-token shared prompt, 200-token responses, 300-token observations

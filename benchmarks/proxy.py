@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Proxy overhead: the latency bridle's capturing proxy adds and the throughput it keeps, next to LiteLLM's proxy.
 
     python benchmarks/proxy.py                         # levels 1 16 64, ~300 requests per level and target
@@ -161,7 +162,7 @@ async def run_client(url: str, tokens: list[str], concurrency: int, requests: in
                     async with session.post(url, data=body, headers=headers[w]) as resp:
                         data = await resp.read()
                         status = resp.status
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                except (TimeoutError, aiohttp.ClientError) as e:
                     errors.append(f"{type(e).__name__}: {e}")
                     break
                 t1 = time.perf_counter()

@@ -26,9 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

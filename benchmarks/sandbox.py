@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Sandbox backends: start-to-ready latency and how many idle sandboxes this machine sustains.
 
     python benchmarks/sandbox.py [--backends local,docker] [--samples 20] [--concurrent 64]

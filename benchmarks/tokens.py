@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Render + splice cost per call as an agent conversation grows (pipeline/splice.py, pipeline/render.py).
 
 One rollout of 100 turns grows to about 64k tokens: each turn the model "samples" a thinking block, some text and

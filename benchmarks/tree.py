@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Tree build + group packing throughput (pipeline/tree.py, pipeline/packing.py).
 
 A group of G rollouts shares a prompt; each rollout is a conversation of C calls whose input is the previous call's

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pipeline.messages import CallFailed, CallStarted, ModelCall, RolloutFinished, RolloutRequest, SettledRollout
+from pipeline.messages import (
+    CallFailed,
+    CallStarted,
+    ModelCall,
+    RolloutFinished,
+    RolloutRequest,
+    SettledRollout,
+)
 
 
 class SettleSettings(msgspec.Struct, kw_only=True):

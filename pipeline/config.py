@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -149,7 +150,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
+_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.DOTALL)
 
 
 def _explain(source: str, section: str, err: msgspec.ValidationError, overrides: list[str]) -> str:
@@ -213,7 +214,7 @@ def load_experiment(
     for name, kind in graph.actors.items():
         try:
             cls = resolve(kind)
-        except (KeyError, ImportError, AttributeError) as e:
+        except (KeyError, ImportError, AttributeError, TypeError) as e:
             raise ConfigError(f"{source}: [graph].actors.{name}: unknown actor kind \"{kind}\" ({e})") from None
         sections[name] = _decode(source, name, raw.get(name, {}), cls.Config, overrides)
         for src, out, dst in graph.parsed_edges():

@@ -5,8 +5,9 @@ process) or SGLang (launched here, or attached to a running server / router). Al
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator, Literal
+from typing import Literal
 
 import msgspec
 

@@ -19,9 +19,10 @@ import os
 import struct
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Self
 
 import anyio
 import msgspec
@@ -63,7 +64,7 @@ class EventLogWriter:
         self.flush()
 
     @classmethod
-    def reopen(cls, path: Path | str, *, chunk_bytes: int = 1 << 20) -> "EventLogWriter":
+    def reopen(cls, path: Path | str, *, chunk_bytes: int = 1 << 20) -> EventLogWriter:
         """Continue an existing log (``--resume``): a frame cut by a crash is truncated away first, so the file
         stays a clean sequence of frames; everything before it is kept."""
         reader = EventLogReader(path)
@@ -125,7 +126,7 @@ class EventLogWriter:
         os.close(self._fd)
         self._fd = -1
 
-    def __enter__(self) -> "EventLogWriter":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

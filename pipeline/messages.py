@@ -19,7 +19,8 @@ log can no longer be read correctly.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Sequence, Union
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 import numpy as np
@@ -297,7 +298,7 @@ class Note(_Msg, kw_only=True):
     seq: int = 0
 
 
-Message = Union[
+Message = Union[  # noqa: UP007 — one type per line reads as the list of every message
     RolloutRequest,
     ServiceReady,
     CallStarted,

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import importlib
 import signal
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -75,7 +76,7 @@ class Actor(Generic[C]):
     outputs: ClassVar[tuple[str, ...]] = ()
 
     run_dir: Path | None = None  # the run's directory (weights, workspaces, engine logs), set by the supervisor
-    resume: "Resume | None" = None  # set when the run continues from a checkpoint (run.py --resume)
+    resume: Resume | None = None  # set when the run continues from a checkpoint (run.py --resume)
 
     def __init__(self, name: str, config: C) -> None:
         self.name = name
@@ -135,7 +136,7 @@ def make_resolver(registry: Mapping[str, str]) -> Resolver:
         mod, _, attr = target.partition(":")
         cls = getattr(importlib.import_module(mod), attr)
         if not (isinstance(cls, type) and issubclass(cls, Actor)):
-            raise AttributeError(f"{target} is not an Actor subclass")
+            raise TypeError(f"{target} is not an Actor subclass")
         return cls
 
     return resolve
@@ -268,7 +269,7 @@ class Supervisor:
         try:
             await feeder(self.graph)
         except Exception as e:  # a broken log must stop the replay as loudly as a crashed actor
-            self.log.error("feeder failed", error=repr(e), exc_info=True)
+            self.log.exception("feeder failed", error=repr(e))
             self.crash = ActorCrashed("replay-feeder", e)
             tg.cancel_scope.cancel()
         finally:
@@ -284,7 +285,7 @@ class Supervisor:
             raise
         except Exception as e:
             reason, error = "crashed", f"{type(e).__name__}: {e}"
-            actor.log.error("actor crashed; stopping the graph", error=error, exc_info=True)
+            actor.log.exception("actor crashed; stopping the graph", error=error)
             if self.crash is None:
                 self.crash = ActorCrashed(actor.name, e)
             tg.cancel_scope.cancel()

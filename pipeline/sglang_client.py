@@ -30,7 +30,7 @@ from pipeline.engine import (
 from pipeline.logs import get_logger
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 log = get_logger(actor="engine_client")
 _JSON = {"Content-Type": "application/json"}
@@ -218,7 +218,7 @@ class _Conn(asyncio.Protocol):
 
 def _expire(waiter: asyncio.Future[Any]) -> None:
     if not waiter.done():
-        waiter.set_exception(asyncio.TimeoutError())
+        waiter.set_exception(TimeoutError())
 
 
 class HttpEngine:
@@ -350,7 +350,7 @@ class HttpEngine:
                     _, conn = await asyncio.wait_for(
                         loop.create_connection(_Conn, self._host, self._port), self.connect_timeout_s
                     )
-                except (OSError, asyncio.TimeoutError) as e:
+                except (TimeoutError, OSError) as e:
                     raise EngineUnavailable(f"POST {url} failed: cannot connect: {type(e).__name__}: {e}") from None
             assert conn.transport is not None
             waiter = conn.start()
@@ -360,7 +360,7 @@ class HttpEngine:
                 conn.transport.write(conn.request(head, data))
                 status, raw = await waiter
                 ok = True
-            except asyncio.TimeoutError:  # before OSError: since Python 3.11 it is one
+            except TimeoutError:  # before OSError: since Python 3.11 it is one
                 raise EngineUnavailable(f"POST {url} timed out") from None
             except OSError as e:
                 # a kept-alive connection the server closed while idle: nothing was answered, so send again on

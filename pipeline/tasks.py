@@ -25,17 +25,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
+import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 import tomli_w
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 needs the tomli backport
-    import tomli as tomllib
 
 WORKSPACE_SUBDIR = "app"  # environment/app/ is copied into the workspace (Dockerfile: COPY app/ /app/)
 

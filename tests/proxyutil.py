@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from pipeline.messages import ModelCall
 from pipeline.proxy import Proxy, ProxySettings

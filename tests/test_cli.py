@@ -119,11 +119,11 @@ def test_hot_reload_in_a_live_run_and_refusal_of_a_fixed_field(tmp_path):
 def test_bad_config_exits_2_with_a_clear_message(tmp_path):
     exp = tmp_path / "bad.toml"
     exp.write_text(EXP.format(factor='"big"', mode="mul", sink=tmp_path / "s"))
-    r = subprocess.run(RUN + ["--experiment", str(exp)], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(RUN + ["--experiment", str(exp)], capture_output=True, text=True, cwd=ROOT, check=False)
     assert r.returncode == 2
     assert "bad.toml: [scale].factor: expected float, got str" in r.stderr
     r = subprocess.run(RUN + ["--experiment", "toy", "--set", "source.count=x"], capture_output=True, text=True,
-                       cwd=ROOT)
+                       cwd=ROOT, check=False)
     assert r.returncode == 2 and "--set source.count=x" in r.stderr
 
 
@@ -144,11 +144,11 @@ def test_run_then_replay_summary_and_stage(tmp_path):
     assert json.loads(r.stdout.strip().splitlines()[-1])["run_dir"] == str(tmp_path / "replay")
     assert sink_rows(sink2) == sink_rows(sink)
     r = subprocess.run(RUN + ["--replay", str(run_dir / "events.msgpack"), "--stage", "nope"],
-                       capture_output=True, text=True, cwd=ROOT)
+                       capture_output=True, text=True, cwd=ROOT, check=False)
     assert r.returncode == 2 and "not an actor of the recorded graph" in r.stderr
 
 
 @pytest.mark.parametrize("args", [[], ["--experiment"]])
 def test_usage_errors(args):
-    r = subprocess.run(RUN + args, capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(RUN + args, capture_output=True, text=True, cwd=ROOT, check=False)
     assert r.returncode == 2

@@ -1,8 +1,14 @@
 """Settling: when a rollout's records are complete."""
 
-from pipeline.collector import SettleSettings, Settler
+from pipeline.collector import Settler, SettleSettings
 from pipeline.messages import (
-    CallFailed, CallStarted, ModelCall, RolloutFinished, RolloutRequest, pack_f32, pack_i32,
+    CallFailed,
+    CallStarted,
+    ModelCall,
+    RolloutFinished,
+    RolloutRequest,
+    pack_f32,
+    pack_i32,
 )
 
 REQ = RolloutRequest(rollout_id="r", group_id="g", index=0, group_size=1, task_id="t", harness="h", token="x",
@@ -20,7 +26,7 @@ def fin():
 
 def run_ticks(s, start, end, step=0.1):
     out = []
-    for i in range(int(round((end - start) / step)) + 1):
+    for i in range(round((end - start) / step) + 1):
         t = round(start + i * step, 6)
         out += [(t, x) for x in s.tick(t)]
     return out

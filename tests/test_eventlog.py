@@ -6,7 +6,13 @@ import anyio
 import pytest
 
 from pipeline.eventlog import (
-    MAGIC, AsyncEventLog, EventLogError, EventLogReader, EventLogWriter, LogHeader, summarize,
+    MAGIC,
+    AsyncEventLog,
+    EventLogError,
+    EventLogReader,
+    EventLogWriter,
+    LogHeader,
+    summarize,
 )
 from pipeline.messages import Metric, ModelCall, Note, PolicyUpdated, RolloutFinished, ids, pack_f32, pack_i32
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import aiohttp
@@ -9,18 +10,27 @@ import anthropic
 import numpy as np
 import openai
 import pytest
+from proxyutil import (
+    DONE,
+    TOOLS_ANTHROPIC,
+    TOOLS_CHAT,
+    TOOLS_RESPONSES,
+    model_calls,
+    running_proxy,
+    sdk_anthropic,
+    sdk_openai,
+)
 
+from pipeline.conversation import from_anthropic, from_chat
 from pipeline.messages import CallFailed, CallStarted, ModelCall, ids
 from pipeline.proxy import detect_label
-from pipeline.conversation import from_anthropic, from_chat
 from pipeline.scripted_engine import Script
-from proxyutil import sdk_openai, sdk_anthropic, DONE, TOOLS_ANTHROPIC, TOOLS_CHAT, TOOLS_RESPONSES, model_calls, running_proxy
 
 pytestmark = pytest.mark.anyio
 
 
 def prefix_chain_ok(calls: list[ModelCall]) -> bool:
-    for a, b in zip(calls, calls[1:]):
+    for a, b in itertools.pairwise(calls):
         full = np.concatenate([ids(a.input_ids), ids(a.output_ids)])
         if not np.array_equal(ids(b.input_ids)[: len(full)], full):
             return False
@@ -91,8 +101,8 @@ async def test_anthropic_messages_tool_loop(stream):
         a = sdk_anthropic(p, base_url=p.base_url, api_key=token, max_retries=0)
         msgs = [{"role": "user", "content": [{"type": "text", "text": "write files"}]}]
         for turn in range(3):
-            kw = dict(model="policy", max_tokens=1000, system=[{"type": "text", "text": "Be terse."}],
-                      messages=msgs, tools=TOOLS_ANTHROPIC)
+            kw = {"model": "policy", "max_tokens": 1000, "system": [{"type": "text", "text": "Be terse."}],
+                  "messages": msgs, "tools": TOOLS_ANTHROPIC}
             if stream:
                 async with a.messages.stream(**kw) as s:
                     m = await s.get_final_message()
@@ -169,23 +179,22 @@ async def test_unknown_token_gets_401_and_nothing_is_recorded():
 
 
 async def test_bad_requests_are_protocol_errors_that_say_what_is_wrong():
-    async with running_proxy(max_body_bytes=10_000) as (p, records, token):
-        async with aiohttp.ClientSession() as s:
-            h = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-            r = await s.post(p.base_url + "/v1/chat/completions", data=b"{not json", headers=h)
-            body = await r.json()
-            assert r.status == 400 and "not valid JSON" in body["error"]["message"]
-            assert r.headers["x-should-retry"] == "false"
-            r = await s.post(p.base_url + "/v1/chat/completions", json={"messages": "hi"}, headers=h)
-            assert r.status == 400 and "messages" in (await r.json())["error"]["message"]
-            r = await s.post(p.base_url + "/v1/messages", json={"messages": [{"role": "user", "content": "x" * 20000}]},
-                             headers={"x-api-key": token})
-            body = await r.json()
-            assert r.status == 413 and body["type"] == "error" and body["error"]["type"] == "request_too_large"
-            r = await s.get(p.base_url + "/v1/models")
-            assert r.status == 200 and (await r.json())["data"][0]["id"] == "policy"
-            r = await s.head(p.base_url + "/")
-            assert r.status == 200
+    async with running_proxy(max_body_bytes=10_000) as (p, records, token), aiohttp.ClientSession() as s:
+        h = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        r = await s.post(p.base_url + "/v1/chat/completions", data=b"{not json", headers=h)
+        body = await r.json()
+        assert r.status == 400 and "not valid JSON" in body["error"]["message"]
+        assert r.headers["x-should-retry"] == "false"
+        r = await s.post(p.base_url + "/v1/chat/completions", json={"messages": "hi"}, headers=h)
+        assert r.status == 400 and "messages" in (await r.json())["error"]["message"]
+        r = await s.post(p.base_url + "/v1/messages", json={"messages": [{"role": "user", "content": "x" * 20000}]},
+                         headers={"x-api-key": token})
+        body = await r.json()
+        assert r.status == 413 and body["type"] == "error" and body["error"]["type"] == "request_too_large"
+        r = await s.get(p.base_url + "/v1/models")
+        assert r.status == 200 and (await r.json())["data"][0]["id"] == "policy"
+        r = await s.head(p.base_url + "/")
+        assert r.status == 200
     assert not model_calls(records)
 
 
@@ -234,7 +243,7 @@ async def test_engine_error_becomes_a_protocol_error_and_a_call_failed():
 
 async def test_keepalives_while_the_engine_is_slow_and_clients_still_parse():
     script = Script(default=[DONE], latency_s=0.35)
-    async with running_proxy(script, keepalive_s=0.1) as (p, records, token):
+    async with running_proxy(script, keepalive_s=0.1) as (p, _records, token):
         async with aiohttp.ClientSession() as s:
             r = await s.post(p.base_url + "/v1/messages", headers={"x-api-key": token}, json={
                 "model": "policy", "max_tokens": 50, "stream": True, "messages": [{"role": "user", "content": "x"}]})

@@ -6,17 +6,17 @@ record for an unauthenticated request.
 
 from __future__ import annotations
 
+import http.client
 import json
+from urllib.parse import urlparse
 
 import anyio.from_thread
-import http.client
-from urllib.parse import urlparse
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from proxyutil import running_proxy
 
 from pipeline.messages import CallStarted
-from proxyutil import running_proxy
 
 ENDPOINTS = ["/v1/chat/completions", "/v1/messages", "/v1/messages?beta=true", "/v1/messages/count_tokens",
              "/v1/responses"]
@@ -106,7 +106,7 @@ class Client:
         u = urlparse(base_url)
         self.host, self.port = u.hostname, u.port
 
-    def post(self, path, content=None, json=None, headers=None):  # noqa: A002
+    def post(self, path, content=None, json=None, headers=None):
         import json as _json
 
         body = content if content is not None else _json.dumps(json).encode()
@@ -129,7 +129,7 @@ def check_error(r: Resp) -> None:
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_fuzz_authenticated(proxy, endpoint):
-    client, records, token = proxy
+    client, _records, token = proxy
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
     @given(body=bodies(endpoint))

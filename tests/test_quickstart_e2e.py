@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def run(*args, timeout=900):
     return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):

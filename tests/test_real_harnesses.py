@@ -13,12 +13,12 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
-
 from conftest import require
+from proxyutil import model_calls, renderer, running_proxy
+
 from pipeline.harnesses import LaunchContext, find_binary, launch_for
 from pipeline.messages import ids
 from pipeline.scripted_engine import Script, ScriptCall, ScriptResponse
-from proxyutil import model_calls, renderer, running_proxy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.harness]
 
@@ -67,7 +67,7 @@ def check_prefix(calls) -> tuple[int, int, str]:
 
 async def test_claude_code_tool_call_round_trip(tmp_path):
     target = tmp_path / "ws" / "hello.txt"
-    proc, records, ws = await drive("claude-code", tmp_path, ScriptResponse(tool_calls=[
+    proc, records, _ws = await drive("claude-code", tmp_path, ScriptResponse(tool_calls=[
         ScriptCall(name="Write", arguments={"file_path": str(target), "content": "hello from bridle\n"})]))
     out = proc.stdout.decode()
     assert proc.returncode == 0, out[-2000:] + proc.stderr.decode()[-2000:]

@@ -4,6 +4,7 @@ import json
 import tracemalloc
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from actors import REGISTRY
@@ -75,8 +76,8 @@ class SlowConsumer(Actor):
             if SlowConsumer.consumed >= 300:
                 SlowConsumer.produced_at_stop = Producer.produced
                 return
-            await anyio.sleep(0)
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
 
 
 async def test_backpressure_blocks_a_fast_producer_and_memory_stays_bounded(tmp_path):

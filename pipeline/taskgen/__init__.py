@@ -13,7 +13,13 @@ from pathlib import Path
 from types import ModuleType
 
 from pipeline.taskgen import (
-    bugfix, config_edit, create_file, create_word, csv_query, file_ops, text_processing,
+    bugfix,
+    config_edit,
+    create_file,
+    create_word,
+    csv_query,
+    file_ops,
+    text_processing,
 )
 from pipeline.tasks import Task, TaskSpec, materialize
 
