@@ -15,13 +15,14 @@ import argparse
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
 
 from pipeline.eventlog import EventLogReader
 from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest, TreeGroup
@@ -61,13 +62,9 @@ def main() -> int:
     results = {}
     for name, staleness in (("synchronous", 0), ("overlapped", 1)):
         run_dir = base / name
-        cmd = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch",
-               "--set", f"scheduler.steps={args.steps}", "--set", f"learner.steps={args.steps}",
-               "--set", f"scheduler.max_staleness={staleness}", "--set", f"learner.max_staleness={staleness}",
-               "--set", 'monitor.display="off"']
-        for s in args.sets:
-            cmd += ["--set", s]
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+        r = run_quickstart(run_dir, [f"scheduler.steps={args.steps}", f"learner.steps={args.steps}",
+                                     f"scheduler.max_staleness={staleness}", f"learner.max_staleness={staleness}",
+                                     *args.sets])
         if r.returncode != 0:
             print(f"{name}: run failed:\n{r.stderr[-3000:]}", file=sys.stderr)
             return 1

@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
+
 MARGIN = 0.05
 
 
@@ -79,14 +81,9 @@ def main() -> int:
         run_dir = base / f"seed{seed}"
         dt = float("nan")
         if args.from_dir is None:
-            cmd = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch",
-                   "--set", f"experiment.seed={seed}", "--set", f"scheduler.seed={seed}",
-                   "--set", f"learner.train.seed={seed}", "--set", f"learner.sft.seed={seed}",
-                   "--set", 'monitor.display="off"']
-            for s in args.sets:
-                cmd += ["--set", s]
+            seeds = [f"{k}.seed={seed}" for k in ("experiment", "scheduler", "learner.train", "learner.sft")]
             t0 = time.time()
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+            r = run_quickstart(run_dir, [*seeds, *args.sets])
             dt = time.time() - t0
             if r.returncode != 0:
                 print(f"seed {seed}: run failed ({r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
@@ -103,7 +100,7 @@ def main() -> int:
           f"{'SE from':>8} {'gain/SE':>7} {'wall s':>7}")
     ok = True
     for seed, n, first, last, gain, se, how, dt in rows:
-        print(f"{seed:>4} {n:>5} {first:>15.3f} {last:>14.3f} {gain:>+7.3f} {se:>8.3f} {how:>8} {gain / se:>7.1f} "
+        print(f"{seed:>4} {n:>5} {first:>15.3f} {last:>14.3f} {gain:>+7.3f} {se:>8.3f} {how:>8} {gain / se if se else math.nan:>7.1f} "
               f"{dt:>7.0f}")
         ok &= gain >= MARGIN
     print(f"claim: last-5 beats first-5 by >= {MARGIN} on every seed: {'YES' if ok else 'NO'}")
