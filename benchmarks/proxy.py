@@ -27,8 +27,11 @@ Reported per level: direct p50 and requests/s; added latency = p50 (p99) via the
 throughput via the proxy as a % of direct; bridle's render time (chat template + tokenization, Splicer.render) per
 call as the proxy measured it (``Proxy.render_seconds`` / calls); the direct+tokenize baseline and bridle's share of
 it. Goals: <= 1 ms p50 added at one client not counting rendering, >= 40 % of direct throughput at 64 clients,
-judged against the plain baseline and also reported against direct+tokenize. Another table says where the time
-goes: CPU seconds per request of each server process (from /proc, so it holds on a busy machine where wall-clock
+judged against the plain baseline and also reported against direct+tokenize. A throughput model checks what the
+machine allows at 16+ clients: a path whose processes (client, engine, proxy: one event loop each) spend CPU
+c_i per request serves at most min(cores / sum c_i, 1 / max c_i) requests/s; it reproduces the measured rates, and
+with the proxy's CPU replaced by bridle's render time it gives the ceiling for any proxy that must send token
+ids, here and with a core per process. Another table says where the time goes: CPU seconds per request of each server process (from /proc, so it holds on a busy machine where wall-clock
 numbers swing) and bridle's per-call phases from ``ModelCall.timings``. ``--render-thread-chars`` sets bridle's
 ``ProxySettings.render_thread_chars`` (1: tokenize every call in a worker thread, 0: never). Wall-clock numbers need a quiet machine with a
 core per process; on a shared 2-core box compare the CPU column.
@@ -175,10 +178,11 @@ async def run_client(url: str, tokens: list[str], concurrency: int, requests: in
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
         await asyncio.gather(*(worker(w, n_warm, False) for w in range(concurrency)))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker(w, total, True) for w in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return {"latencies": lat, "wall": wall, "errors": len(errors), "first_errors": errors[:3]}
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # the client's own CPU in the timed phase: part of what the machine spends per request (throughput model)
+    return {"latencies": lat, "wall": wall, "cpu": cpu, "errors": len(errors), "first_errors": errors[:3]}
 
 
 def client_main(args: argparse.Namespace) -> None:
@@ -220,7 +224,8 @@ async def serve_bridle(port: int, engine_url: str, rollouts: int, render_thread_
     proxy = Proxy(engine, qwen3_renderer(), emit, settings)
     await proxy.start()
     tokens = [proxy.open_rollout(f"bench-{i}") for i in range(rollouts)]
-    print("BRIDLE-READY " + json.dumps({"base_url": proxy.base_url, "tokens": tokens}), flush=True)
+    print("BRIDLE-READY " + json.dumps({"base_url": proxy.base_url, "tokens": tokens, "pid": os.getpid()}),
+          flush=True)
     try:
         while True:  # commands from the parent on stdin; EOF ends the server
             line = (await anyio.to_thread.run_sync(sys.stdin.readline)).strip()
@@ -323,6 +328,16 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def main_thread_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process's main thread: bridle's event loop, without its tokenizer threads."""
+    try:
+        raw = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    except OSError:
+        return float("nan")
+    f = raw[raw.rindex(")") + 2:].split()
+    return (int(f[11]) + int(f[12])) / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -396,6 +411,37 @@ def warmup_requests(concurrency: int, turns: int) -> int:
     return max(2 * concurrency, 8) * turns
 
 
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def bound_rps(parts_ms: list[float], n_cores: int) -> float:
+    """The most requests/s a path can serve when a request costs these CPU ms in each of its processes (each on
+    one event loop): no process exceeds one core, and all of them together cannot exceed the machine's cores."""
+    if any(math.isnan(x) for x in parts_ms) or not parts_ms:
+        return float("nan")
+    return 1e3 * min(n_cores / sum(parts_ms), 1 / max(parts_ms))
+
+
+def throughput_model(row: dict[str, Any], render_ms: float) -> list[tuple[str, list[float], float | None]]:
+    """(path, CPU ms per request of client / engine / proxy (loop / threads), measured req/s) for the throughput
+    model: the two
+    measured paths, and what a proxy whose only work is rendering + tokenizing (``render_ms``, bridle's render
+    time in a quiet process) would allow with the same client and engine costs — the ceiling for any proxy that
+    sends token ids."""
+    c = row["cpu_ms"]
+    out: list[tuple[str, list[float], float | None]] = [
+        ("direct", [c["client:direct"], c["engine:direct"]], row["direct"]["rps"]),
+        # bridle's event loop and its tokenizer threads (ProxySettings.render_thread_chars) are separate consumers
+        ("bridle", [c["client:bridle"], c["engine:bridle"], c["bridle loop"], max(0.0, c["bridle"] - c["bridle loop"])],
+         row["bridle"]["rps"]),
+        ("render-only proxy", [c["client:bridle"], c["engine:bridle"], render_ms], None),
+    ]
+    if "litellm" in row:
+        out.append(("LiteLLM", [c["client:litellm"], c["engine:litellm"], c["litellm"]], row["litellm"]["rps"]))
+    return out
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     if not s:
@@ -440,7 +486,7 @@ def bench(args: argparse.Namespace) -> int:
             serve_cmd += ["--render-thread-chars", str(args.render_thread_chars)]
         if args.py_spy:
             spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-            serve_cmd = [spy, "record", "--nonblocking", "--rate", "250", "-o", args.py_spy, "--format",
+            serve_cmd = [spy, "record", "--nonblocking", "--rate", "1000", "-o", args.py_spy, "--format",
                          "speedscope" if args.py_spy.endswith(".json") else "flamegraph", "--", *serve_cmd]
         bridle = Child("bridle", serve_cmd, stdin=True, log_dir=tmp)
         children.append(bridle)
@@ -482,16 +528,22 @@ def bench(args: argparse.Namespace) -> int:
                         bridle.send("stats")
                         before = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
                     cpu0 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
+                    loop0 = main_thread_cpu_seconds(ready["pid"])
                     r = run_level(url, tok, prompt_file, level, per_round, f"{level}-{t}-{rnd}", args.max_tokens,
                                   args.turns)
                     cpu1 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
                     done = r["errors"] + len(r["latencies"]) + warmup_requests(level, args.turns)  # warm-up counts
+                    if t == "bridle":
+                        cpu["bridle loop"] = cpu.get("bridle loop", 0.0) + main_thread_cpu_seconds(ready["pid"]) - loop0
+                        cpu_n["bridle loop"] = cpu_n.get("bridle loop", 0) + done
                     # CPU per request of the server in the path: the proxy for bridle/LiteLLM, the engine always
                     if t in procs:
                         cpu[t] += cpu1[t] - cpu0[t]
                         cpu_n[t] += done
                     cpu["engine:" + t] += cpu1["engine"] - cpu0["engine"]
                     cpu_n["engine:" + t] += done
+                    cpu["client:" + t] = cpu.get("client:" + t, 0.0) + r["cpu"]
+                    cpu_n["client:" + t] = cpu_n.get("client:" + t, 0) + len(r["latencies"])
                     if t == "bridle":
                         bridle.send("stats")
                         after = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
@@ -564,16 +616,48 @@ def bench(args: argparse.Namespace) -> int:
     print("Where the time goes (ms per request). CPU = the server process's user+system time / requests (robust to "
           "a busy machine); bridle phases from ModelCall.timings (wall time inside the proxy).")
     head2 = ["clients", "engine CPU direct", "engine CPU direct+tok", "engine CPU via bridle", "bridle CPU",
-             "LiteLLM CPU", "bridle before engine", "bridle engine wait", "bridle after engine"]
+             "bridle loop CPU", "LiteLLM CPU", "bridle before engine", "bridle engine wait", "bridle after engine"]
     table2 = [[str(r["level"]), fmt(r["cpu_ms"].get("engine:direct"), 2), fmt(r["cpu_ms"].get("engine:direct_tok"), 2),
-               fmt(r["cpu_ms"].get("engine:bridle"), 2),
-               fmt(r["cpu_ms"].get("bridle"), 2), fmt(r["cpu_ms"].get("litellm"), 2),
+               fmt(r["cpu_ms"].get("engine:bridle"), 2), fmt(r["cpu_ms"].get("bridle"), 2),
+               fmt(r["cpu_ms"].get("bridle loop"), 2), fmt(r["cpu_ms"].get("litellm"), 2),
                fmt(r["phases_ms"]["pre_s"], 2), fmt(r["phases_ms"]["engine_s"], 2), fmt(r["phases_ms"]["post_s"], 2)]
               for r in rows]
     widths2 = [max(len(h), *(len(row[i]) for row in table2)) for i, h in enumerate(head2)]
     print("  ".join(h.rjust(w) for h, w in zip(head2, widths2)))
     for row in table2:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths2)))
+
+    n_cores = cores()
+    if any(r["level"] >= 16 for r in rows):
+        print()
+        print(f"Throughput model: a path's CPU per request (client + engine + proxy, each one process on one event loop) "
+              f"bounds it at min({n_cores} cores / sum, 1 core / largest). 'render-only proxy' is any proxy that sends "
+              "token ids and does nothing else (its only CPU: bridle's render time, offline or in the run, whichever is "
+              "smaller): the ceiling on this machine. "
+              "'a core each' drops the machine limit (one core per process). Levels of 16+ clients only: one client "
+              "leaves the processes waiting on each other, and latency, not CPU, sets its rate.")
+        head4 = ["clients", "path", "CPU ms/req (client+engine+proxy[+threads])", "measured req/s",
+                 f"model req/s ({n_cores} cores)", "model % direct", "a core each: % direct"]
+        table4 = []
+        for r in rows:
+            if r["level"] < 16:
+                continue
+            # render CPU per call: the offline time (a fresh conversation, quiet) or the in-run mean (wall time,
+            # lower when calls extend earlier ones), whichever is smaller
+            model = throughput_model(r, min(render_offline, r["render_ms"]))
+            d_here, d_each = bound_rps(model[0][1], n_cores), bound_rps(model[0][1], 10**6)
+            r["model"] = {}
+            for path, parts, measured in model:
+                here, each = bound_rps(parts, n_cores), bound_rps(parts, 10**6)
+                r["model"][path] = {"cpu_ms": parts, "rps": here, "pct_direct": 100 * here / d_here,
+                                    "pct_direct_core_each": 100 * each / d_each}
+                table4.append([str(r["level"]), path, " + ".join(fmt(x, 2) for x in parts) + f" = {fmt(sum(parts), 2)}",
+                               fmt(measured, 0) if measured is not None else "-", fmt(here, 0),
+                               fmt(100 * here / d_here, 1), fmt(100 * each / d_each, 1)])
+        widths4 = [max([len(h), *(len(row[i]) for row in table4)]) for i, h in enumerate(head4)]
+        print("  ".join(h.rjust(w) for h, w in zip(head4, widths4)))
+        for row in table4:
+            print("  ".join(c.rjust(w) for c, w in zip(row, widths4)))
 
     verdicts = []
     by_level = {r["level"]: r for r in rows}
@@ -587,8 +671,10 @@ def bench(args: argparse.Namespace) -> int:
                         f"<= 1 ms: {'met' if at <= 1.0 else 'MISSED'}")
     if 64 in by_level:
         s = share(by_level[64], "bridle")
+        ceiling = by_level[64]["model"]["render-only proxy"]["pct_direct"]  # nan when a CPU reading is missing
         verdicts.append(f"64 clients: bridle keeps {fmt(s, 1)} % of direct throughput — goal >= 40 %: "
-                        f"{'met' if s is not None and s >= 40 else 'MISSED'}")
+                        f"{'met' if s is not None and s >= 40 else 'MISSED'} (ceiling here for a proxy that only "
+                        f"renders and tokenizes: {fmt(ceiling, 1)} %{', so out of reach on this machine' if ceiling < 40 else ''})")
         st = share(by_level[64], "bridle", "direct_tok")
         verdicts.append(f"64 clients vs direct+tokenize: bridle keeps {fmt(st, 1)} % of its throughput — "
                         f">= 40 %: {'met' if st is not None and st >= 40 else 'MISSED'}")

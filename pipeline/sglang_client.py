@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import aiohttp
-import h11
+import httptools
 import numpy as np
 import orjson
 
@@ -136,8 +136,8 @@ def _error_message(text: str) -> str:
 
 
 class _Conn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection carrying one request at a time; h11 does the HTTP/1.1 framing
-    (Content-Length, chunked, HTTP/1.0 or until the server closes) as the response arrives."""
+    """One keep-alive HTTP/1.1 connection carrying one request at a time. httptools (llhttp, in C) frames the
+    response as it arrives: Content-Length, chunked, or (HTTP/1.0, no length) until the server closes."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -145,40 +145,63 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.got_bytes = False  # any response byte since the request was sent
         self.reusable = False
-        self._h11 = h11.Connection(h11.CLIENT)
+        self._parser = httptools.HttpResponseParser(self)
         self._status = 0
         self._body = bytearray()
+        self._framed = False  # the response says where its body ends (a length or chunks), not "at close"
+        self._in_body = False  # the final response's headers are in; its body may be running
+        self._complete = False
 
     def start(self) -> asyncio.Future[tuple[int, bytes]]:
-        if self._h11.our_state is h11.DONE:  # only reusable connections (both sides DONE) come back to the pool
-            self._h11.start_next_cycle()
         self._body.clear()
-        self.got_bytes = self.reusable = False
+        self.got_bytes = self.reusable = self._complete = self._framed = self._in_body = False
         self._status = 0
         self.waiter = asyncio.get_running_loop().create_future()
         return self.waiter
 
-    def request(self, head: h11.Request, body: bytes) -> bytes:
+    # httptools callbacks (from inside feed_data)
+    def on_message_begin(self) -> None:
+        if self._complete:  # bytes after the answer: this connection cannot carry another request
+            self.reusable = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        n = name.lower()
+        if n == b"content-length" or (n == b"transfer-encoding" and b"chunked" in value.lower()):
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an informational response (100 Continue): the real one follows
+            self._framed = False
+            return
+        self._status = status
+        self._in_body = True
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+
+    def on_message_complete(self) -> None:
+        if not self._in_body or self._complete:
+            return
+        self._complete = True
+        self.reusable = self._parser.should_keep_alive()
+
+    def request(self, head: bytes, body: bytes) -> bytes:
         """The whole request as one buffer, so it goes out in one write."""
-        h = self._h11
-        return b"".join(h.send(e) or b"" for e in (head, h11.Data(data=body), h11.EndOfMessage()))
+        return head + body
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.reusable = False
         w = self.waiter
         if w is None or w.done():
             return
-        try:  # the end of the connection ends a body framed as "until close"
-            self._h11.receive_data(b"")
-            done = self._pump()
-        except h11.RemoteProtocolError:  # cut off mid-response: a connection failure, not a malformed reply
-            done = None
-        if done is not None:
-            w.set_result(done)
-        else:
+        if self._complete or (self._in_body and not self._framed):  # the close ends a body framed "until close"
+            w.set_result((self._status, bytes(self._body)))
+        else:  # cut off mid-response: a connection failure, not a malformed reply
             w.set_exception(exc or ConnectionResetError("the engine closed the connection"))
 
     def data_received(self, data: bytes) -> None:
@@ -190,30 +213,15 @@ class _Conn(asyncio.Protocol):
                 self.transport.close()
             return
         try:
-            self._h11.receive_data(data)
-            done = self._pump()
-        except h11.RemoteProtocolError as e:
-            self.closed = True
-            w.set_exception(EngineProtocolError(f"malformed HTTP response from the engine: {e}"))
-            return
-        if done is not None:
-            w.set_result(done)
-
-    def _pump(self) -> tuple[int, bytes] | None:
-        """Feed h11's events into (status, body); the pair once the response has ended."""
-        h = self._h11
-        while True:
-            event = h.next_event()
-            if event is h11.NEED_DATA or event is h11.PAUSED:
-                return None
-            if isinstance(event, h11.Response):
-                self._status = event.status_code
-            elif isinstance(event, h11.Data):
-                self._body += event.data
-            elif isinstance(event, h11.EndOfMessage):
-                self.reusable = h.our_state is h11.DONE and h.their_state is h11.DONE and not h.trailing_data[0]
-                return self._status, bytes(self._body)
-            # an InformationalResponse (100 Continue): the real response follows
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
+            self.reusable = False
+            if not self._complete:
+                self.closed = True
+                w.set_exception(EngineProtocolError(f"malformed HTTP response from the engine: {e}"))
+                return
+        if self._complete:
+            w.set_result((self._status, bytes(self._body)))
 
 
 def _expire(waiter: asyncio.Future[Any]) -> None:
@@ -226,9 +234,9 @@ class HttpEngine:
     or call :meth:`aclose`. ``timeout_s`` bounds each generation; control calls use ``control_timeout_s``.
 
     ``/generate`` on an ``http://`` URL goes over a small pool of keep-alive connections this class drives
-    itself, with h11 doing the HTTP/1.1 framing: a generation is one write and a parse of one JSON answer, and
-    aiohttp's client costs more CPU per call (about 1.2 times this path's; it adds up in the proxy's event
-    loop). Everything else goes through aiohttp."""
+    itself, with httptools (llhttp) parsing the answers: a generation is one write and a parse of one JSON
+    answer. aiohttp's client costs more CPU per call (≈1.2× this path's with h11 as the parser, ≈0.09 ms more
+    than with httptools; it adds up in the proxy's event loop). Everything else goes through aiohttp."""
 
     def __init__(
         self,
@@ -249,8 +257,9 @@ class HttpEngine:
         u = urlsplit(self.base_url)
         self._direct = u.scheme == "http" and u.hostname is not None
         self._host, self._port = u.hostname or "", u.port or 80
-        self._generate_target = f"{u.path.rstrip('/')}/generate".encode("latin-1")
-        self._host_header = u.netloc.encode("latin-1")
+        # every /generate request head is this one followed by its Content-Length and a blank line
+        self._generate_head = (b"POST " + f"{u.path.rstrip('/')}/generate".encode("latin-1") + b" HTTP/1.1\r\nHost: "
+                               + u.netloc.encode("latin-1") + b"\r\nContent-Type: application/json\r\nContent-Length: ")
         self._idle: list[_Conn] = []
         self._idle_loop: asyncio.AbstractEventLoop | None = None
 
@@ -330,11 +339,7 @@ class HttpEngine:
         loop = asyncio.get_running_loop()
         if self._idle_loop is not loop:  # connections belong to the loop that opened them
             self._idle, self._idle_loop = [], loop
-        head = h11.Request(
-            method=b"POST", target=self._generate_target,
-            headers=[(b"Host", self._host_header), (b"Content-Type", b"application/json"),
-                     (b"Content-Length", b"%d" % len(data))],
-        )
+        head = self._generate_head + str(len(data)).encode() + b"\r\n\r\n"
         url = self._generate_url
         deadline = loop.time() + self.timeout_s
         for attempt in (0, 1):

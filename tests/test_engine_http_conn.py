@@ -32,6 +32,7 @@ class RawServer:
         self.disconnects = 0
         self.server: asyncio.AbstractServer | None = None
         self.hold = False  # never answer (a slow engine)
+        self.piece = 0  # >0: write answers in pieces of this many bytes, one per event loop turn
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -48,8 +49,11 @@ class RawServer:
                     return
                 data, close = self.frame(json.dumps({**ANSWER, "meta_info": {**ANSWER["meta_info"],
                                                                              "id": body["rid"]}}).encode())
-                writer.write(data)
-                await writer.drain()
+                for i in range(0, len(data), self.piece or len(data)):
+                    writer.write(data[i:i + (self.piece or len(data))])
+                    await writer.drain()
+                    if self.piece:
+                        await asyncio.sleep(0.001)  # separate segments: the parser sees every split
                 if close:
                     writer.close()
                     return
@@ -86,11 +90,21 @@ def close_after(body: bytes) -> tuple[bytes, bool]:
     return (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)) + body, True
 
 
+def continue_first(body: bytes) -> tuple[bytes, bool]:
+    return b"HTTP/1.1 100 Continue\r\n\r\n" + content_length(body)[0], False
+
+
+def trailing_garbage(body: bytes) -> tuple[bytes, bool]:
+    return content_length(body)[0] + b"HTTP/1.1 2", False
+
+
+@pytest.mark.parametrize("piece", [0, 7])
 @pytest.mark.parametrize("frame,reused", [(content_length, True), (chunked, True), (until_close, False),
-                                          (close_after, False)])
-def test_every_response_framing_and_connection_reuse(frame, reused):
+                                          (close_after, False), (continue_first, True), (trailing_garbage, False)])
+def test_every_response_framing_and_connection_reuse(frame, reused, piece):
     async def main():
         srv = RawServer(frame)
+        srv.piece = piece
         async with srv as url, HttpEngine(url) as eng:
             for i in range(3):
                 res = await eng.generate([1, 2, 3], Sampling(), rid=f"r{i}")
