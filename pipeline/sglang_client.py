@@ -186,10 +186,6 @@ class _Conn(asyncio.Protocol):
         self._complete = True
         self.reusable = self._parser.should_keep_alive()
 
-    def request(self, head: bytes, body: bytes) -> bytes:
-        """The whole request as one buffer, so it goes out in one write."""
-        return head + body
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
@@ -362,7 +358,7 @@ class HttpEngine:
             ok = False
             timer = loop.call_at(deadline, _expire, waiter)
             try:
-                conn.transport.write(conn.request(head, data))
+                conn.transport.write(head + data)  # one buffer: the request goes out in one write
                 status, raw = await waiter
                 ok = True
             except TimeoutError:  # before OSError: since Python 3.11 it is one
