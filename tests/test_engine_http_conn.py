@@ -7,13 +7,16 @@ another proxy in between may answer chunked, close after each answer, or speak H
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.engine import EngineProtocolError, EngineUnavailable, Sampling
-from pipeline.sglang_client import HttpEngine
+from pipeline.sglang_client import HttpEngine, _Conn
 
 ANSWER = {
     "output_ids": [7, 8],
@@ -201,3 +204,57 @@ def test_timeouts_errors_and_garbage():
                     await eng.generate([1], Sampling(), rid="busy")
 
     anyio.run(main)
+
+
+class _Sink:
+    """A transport for a connection driven by hand: nothing to send, never closing."""
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    body=st.binary(max_size=300),
+    framing=st.sampled_from(["length", "chunked", "until_close", "continue"]),
+    chunk_sizes=st.lists(st.integers(1, 64), min_size=1, max_size=8),
+    cuts=st.lists(st.integers(0, 400), max_size=12),
+    status=st.sampled_from([200, 400, 503]),
+)
+def test_any_split_of_any_framing_gives_the_same_answer(body, framing, chunk_sizes, cuts, status):
+    """However the bytes arrive, the connection hands over exactly the status and body the server framed."""
+    head = b"HTTP/1.1 %d X\r\n" % status
+    if framing == "chunked":
+        out, i, k = head + b"Transfer-Encoding: chunked\r\n\r\n", 0, 0
+        while i < len(body):
+            n = chunk_sizes[k % len(chunk_sizes)]
+            out += b"%x\r\n" % len(body[i:i + n]) + body[i:i + n] + b"\r\n"
+            i, k = i + n, k + 1
+        wire = out + b"0\r\n\r\n"
+    elif framing == "until_close":
+        wire = b"HTTP/1.0 %d X\r\n\r\n" % status + body
+    else:
+        wire = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+        if framing == "continue":
+            wire = b"HTTP/1.1 100 Continue\r\n\r\n" + wire
+    points = sorted({min(c, len(wire)) for c in cuts} | {0, len(wire)})
+
+    async def main():
+        conn = _Conn()
+        conn.connection_made(_Sink())
+        waiter = conn.start()
+        for a, b in itertools.pairwise(points):
+            conn.data_received(wire[a:b])
+        if framing == "until_close":
+            assert not waiter.done()  # only the close ends such a body
+            conn.connection_lost(None)
+        assert await waiter == (status, body)
+        assert conn.reusable == (framing in ("length", "chunked", "continue"))
+
+    asyncio.run(main())
