@@ -31,10 +31,11 @@ judged against the plain baseline and also reported against direct+tokenize. A t
 machine allows at 16+ clients: a path whose processes (client, engine, proxy: one event loop each) spend CPU
 c_i per request serves at most min(cores / sum c_i, 1 / max c_i) requests/s; it reproduces the measured rates, and
 with the proxy's CPU replaced by bridle's render time it gives the ceiling for any proxy that must send token
-ids, here and with a core per process. Another table says where the time goes: CPU seconds per request of each server process (from /proc, so it holds on a busy machine where wall-clock
+ids, here and with a core per process. Another table says where the time goes: CPU seconds per request of each
+server process and of bridle's event loop alone (from /proc, so it holds on a busy machine where wall-clock
 numbers swing) and bridle's per-call phases from ``ModelCall.timings``. ``--render-thread-chars`` sets bridle's
-``ProxySettings.render_thread_chars`` (1: tokenize every call in a worker thread, 0: never). Wall-clock numbers need a quiet machine with a
-core per process; on a shared 2-core box compare the CPU column.
+``ProxySettings.render_thread_chars`` (1: tokenize every call in a worker thread, 0: never). Wall-clock numbers
+need a quiet machine with a core per process; on a shared 2-core box compare the CPU columns.
 
 LiteLLM is a benchmark-only dependency and is not in pyproject.toml. Installing ``litellm[proxy]`` into bridle's
 environment changes the versions of installed packages (huggingface-hub, rich, python-dateutil), so install it in
@@ -301,23 +302,23 @@ class Child:
                     self.proc.kill()
 
 
+def _proc_stat(path: str) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) from a /proc .../stat file; None when it is gone."""
+    try:
+        raw = Path(path).read_text()
+    except OSError:
+        return None
+    f = raw[raw.rindex(")") + 2:].split()  # fields after "pid (comm)"
+    return int(f[1]), (int(f[11]) + int(f[12])) / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process and its descendants (Linux /proc; NaN elsewhere)."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    stats: dict[int, tuple[int, float]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
         return float("nan")
-    for e in entries:
-        if not e.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{e}/stat").read_text()
-        except OSError:
-            continue
-        f = raw[raw.rindex(")") + 2:].split()  # fields after "pid (comm)"
-        stats[int(e)] = (int(f[1]), (int(f[11]) + int(f[12])) / tick)
+    stats = {int(e): st for e in entries if e.isdigit() and (st := _proc_stat(f"/proc/{e}/stat")) is not None}
     if pid not in stats:
         return float("nan")
     total, todo = 0.0, [pid]
@@ -330,12 +331,8 @@ def tree_cpu_seconds(pid: int) -> float:
 
 def main_thread_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process's main thread: bridle's event loop, without its tokenizer threads."""
-    try:
-        raw = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
-    except OSError:
-        return float("nan")
-    f = raw[raw.rindex(")") + 2:].split()
-    return (int(f[11]) + int(f[12])) / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+    st = _proc_stat(f"/proc/{pid}/task/{pid}/stat")
+    return st[1] if st is not None else float("nan")
 
 
 def free_port() -> int:
@@ -425,10 +422,8 @@ def bound_rps(parts_ms: list[float], n_cores: int) -> float:
 
 def throughput_model(row: dict[str, Any], render_ms: float) -> list[tuple[str, list[float], float | None]]:
     """(path, CPU ms per request of client / engine / proxy (loop / threads), measured req/s) for the throughput
-    model: the two
-    measured paths, and what a proxy whose only work is rendering + tokenizing (``render_ms``, bridle's render
-    time in a quiet process) would allow with the same client and engine costs — the ceiling for any proxy that
-    sends token ids."""
+    model: the two measured paths, and what a proxy whose only work is rendering + tokenizing (``render_ms``)
+    would allow with the same client and engine costs — the ceiling for any proxy that sends token ids."""
     c = row["cpu_ms"]
     out: list[tuple[str, list[float], float | None]] = [
         ("direct", [c["client:direct"], c["engine:direct"]], row["direct"]["rps"]),
@@ -440,6 +435,12 @@ def throughput_model(row: dict[str, Any], render_ms: float) -> list[tuple[str, l
     if "litellm" in row:
         out.append(("LiteLLM", [c["client:litellm"], c["engine:litellm"], c["litellm"]], row["litellm"]["rps"]))
     return out
+
+
+def print_table(head: list[str], rows: list[list[str]]) -> None:
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(head)]
+    for row in [head, *rows]:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -517,7 +518,9 @@ def bench(args: argparse.Namespace) -> int:
             n = max(args.requests, 4 * level)
             per_round = max(level, n // args.rounds)
             pooled: dict[str, dict[str, Any]] = {t: {"lat": [], "wall": 0.0, "n": 0, "errors": 0} for t in targets}
-            cpu: dict[str, float] = {k: 0.0 for k in [*procs, *("engine:" + t for t in targets)] if k != "engine"}
+            cpu: dict[str, float] = {k: 0.0 for k in [*procs, *("engine:" + t for t in targets),
+                                                      *("client:" + t for t in targets), "bridle loop"]
+                                     if k != "engine"}
             cpu_n: dict[str, int] = {k: 0 for k in cpu}
             phases = {"render_seconds": 0.0, "calls": 0, "pre_s": 0.0, "engine_s": 0.0, "post_s": 0.0}
             for rnd in range(args.rounds):
@@ -528,22 +531,22 @@ def bench(args: argparse.Namespace) -> int:
                         bridle.send("stats")
                         before = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
                     cpu0 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
-                    loop0 = main_thread_cpu_seconds(ready["pid"])
+                    loop0 = main_thread_cpu_seconds(ready["pid"]) if t == "bridle" else 0.0
                     r = run_level(url, tok, prompt_file, level, per_round, f"{level}-{t}-{rnd}", args.max_tokens,
                                   args.turns)
                     cpu1 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
                     done = r["errors"] + len(r["latencies"]) + warmup_requests(level, args.turns)  # warm-up counts
                     if t == "bridle":
-                        cpu["bridle loop"] = cpu.get("bridle loop", 0.0) + main_thread_cpu_seconds(ready["pid"]) - loop0
-                        cpu_n["bridle loop"] = cpu_n.get("bridle loop", 0) + done
+                        cpu["bridle loop"] += main_thread_cpu_seconds(ready["pid"]) - loop0
+                        cpu_n["bridle loop"] += done
                     # CPU per request of the server in the path: the proxy for bridle/LiteLLM, the engine always
                     if t in procs:
                         cpu[t] += cpu1[t] - cpu0[t]
                         cpu_n[t] += done
                     cpu["engine:" + t] += cpu1["engine"] - cpu0["engine"]
                     cpu_n["engine:" + t] += done
-                    cpu["client:" + t] = cpu.get("client:" + t, 0.0) + r["cpu"]
-                    cpu_n["client:" + t] = cpu_n.get("client:" + t, 0) + len(r["latencies"])
+                    cpu["client:" + t] += r["cpu"]
+                    cpu_n["client:" + t] += len(r["latencies"])
                     if t == "bridle":
                         bridle.send("stats")
                         after = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
@@ -591,14 +594,11 @@ def bench(args: argparse.Namespace) -> int:
     table = [[str(r["level"]), fmt(r["direct"]["p50"], 2), fmt(r["direct"]["rps"], 0), fmt(added(r, "bridle", "p50"), 2),
               fmt(added(r, "bridle", "p99"), 2), fmt(added(r, "litellm", "p50"), 2), fmt(added(r, "litellm", "p99"), 2),
               fmt(share(r, "bridle"), 1), fmt(share(r, "litellm"), 1), fmt(r["render_ms"], 2)] for r in rows]
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
     print()
     print(f"Proxy overhead, {workload}, streaming chat completions, zero-latency engine "
           f"(offline Splicer.render: {render_offline:.2f} ms/call; {os.cpu_count()} CPUs); direct: the engine only "
           "parses the JSON")
-    print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
-    for row in table:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    print_table(head, table)
     if "litellm" not in targets:
         print(f"LiteLLM: {litellm_why}")
     print()
@@ -608,10 +608,7 @@ def bench(args: argparse.Namespace) -> int:
              "bridle % direct+tok"]
     table3 = [[str(r["level"]), fmt(r["direct_tok"]["p50"], 2), fmt(r["direct_tok"]["rps"], 0), fmt(added_tok(r), 2),
                fmt(added_tok(r, "p99"), 2), fmt(share(r, "bridle", "direct_tok"), 1)] for r in rows]
-    widths3 = [max(len(h), *(len(row[i]) for row in table3)) for i, h in enumerate(head3)]
-    print("  ".join(h.rjust(w) for h, w in zip(head3, widths3)))
-    for row in table3:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths3)))
+    print_table(head3, table3)
     print()
     print("Where the time goes (ms per request). CPU = the server process's user+system time / requests (robust to "
           "a busy machine); bridle phases from ModelCall.timings (wall time inside the proxy).")
@@ -622,10 +619,7 @@ def bench(args: argparse.Namespace) -> int:
                fmt(r["cpu_ms"].get("bridle loop"), 2), fmt(r["cpu_ms"].get("litellm"), 2),
                fmt(r["phases_ms"]["pre_s"], 2), fmt(r["phases_ms"]["engine_s"], 2), fmt(r["phases_ms"]["post_s"], 2)]
               for r in rows]
-    widths2 = [max(len(h), *(len(row[i]) for row in table2)) for i, h in enumerate(head2)]
-    print("  ".join(h.rjust(w) for h, w in zip(head2, widths2)))
-    for row in table2:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths2)))
+    print_table(head2, table2)
 
     n_cores = cores()
     if any(r["level"] >= 16 for r in rows):
@@ -654,10 +648,7 @@ def bench(args: argparse.Namespace) -> int:
                 table4.append([str(r["level"]), path, " + ".join(fmt(x, 2) for x in parts) + f" = {fmt(sum(parts), 2)}",
                                fmt(measured, 0) if measured is not None else "-", fmt(here, 0),
                                fmt(100 * here / d_here, 1), fmt(100 * each / d_each, 1)])
-        widths4 = [max([len(h), *(len(row[i]) for row in table4)]) for i, h in enumerate(head4)]
-        print("  ".join(h.rjust(w) for h, w in zip(head4, widths4)))
-        for row in table4:
-            print("  ".join(c.rjust(w) for c, w in zip(row, widths4)))
+        print_table(head4, table4)
 
     verdicts = []
     by_level = {r["level"]: r for r in rows}
