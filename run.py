@@ -104,16 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     import anyio
 
     from actors import REGISTRY
-    from pipeline import config as cfg
-    from pipeline import launch, logs
-    from pipeline.eventlog import EventLogError, summarize
-    from pipeline.runtime import ActorCrashed, Interrupted, make_resolver
+    from pipeline.cli import launch
+    from pipeline.core import config as cfg
+    from pipeline.core import logs
+    from pipeline.core.eventlog import EventLogError, summarize
+    from pipeline.core.runtime import ActorCrashed, Interrupted, make_resolver
 
     resolve = make_resolver(REGISTRY)
     # Until a run configures its own log file: warnings and errors to stderr, stdout stays machine-readable.
     logs.configure(None, level="warning")
     if args.build_images:
-        from pipeline.images import main as build_images
+        from pipeline.rollout.images import main as build_images
 
         return build_images([])
     try:

@@ -1,4 +1,4 @@
-"""Collector actor: gathers every record of a rollout and emits it once it has settled (pipeline.collector)."""
+"""Collector actor: gathers every record of a rollout and emits it once it has settled (pipeline.trees.collector)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from typing import Any
 
 import anyio
 
-from pipeline.collector import Settler, SettleSettings
-from pipeline.config import Section
+from pipeline.core.config import Section
+from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, ServiceReady
-from pipeline.runtime import Actor
+from pipeline.trees.collector import Settler, SettleSettings
 
 
 class CollectorConfig(Section):

@@ -20,11 +20,11 @@ import anyio
 import msgspec
 import numpy as np
 
-from pipeline.config import Section
-from pipeline.learner import Learner, LearnerConfig
+from pipeline.core.config import Section
+from pipeline.core.runtime import Actor
 from pipeline.messages import GroupDropped, Metric, PolicyUpdated, TreeGroup, ids, pack_i32, packed_hash
-from pipeline.runtime import Actor
-from pipeline.smallmodel import VOCAB_FILE, load_vocab_table
+from pipeline.models.small import VOCAB_FILE, load_vocab_table
+from pipeline.training.learner import Learner, LearnerConfig
 
 
 class LearnerActorConfig(Section):

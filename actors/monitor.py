@@ -10,10 +10,10 @@ from typing import Any, TextIO
 
 import anyio
 
-from pipeline.config import Section
+from pipeline.core.config import Section
+from pipeline.core.runtime import Actor
 from pipeline.messages import Metric
-from pipeline.plots import write_plots
-from pipeline.runtime import Actor
+from pipeline.monitor.plots import write_plots
 
 
 class MonitorConfig(Section):

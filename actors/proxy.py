@@ -15,11 +15,11 @@ from typing import Any
 import anyio
 import msgspec
 
-from pipeline.config import Section
-from pipeline.engines import EngineSettings, open_engine, open_renderer
+from pipeline.core.config import Section
+from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
-from pipeline.proxy import Proxy, ProxySettings
-from pipeline.runtime import Actor
+from pipeline.serving.factory import EngineSettings, open_engine, open_renderer
+from pipeline.serving.proxy import Proxy, ProxySettings
 
 
 class ProxyConfig(Section):

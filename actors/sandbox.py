@@ -12,11 +12,17 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from pipeline.config import Section
+from pipeline.core.config import Section
+from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, RolloutFinished, RolloutRequest, ServiceReady
-from pipeline.runtime import Actor
-from pipeline.sandbox import DockerBackend, DockerSettings, LocalBackend, LocalSettings, SandboxBackend
-from pipeline.tasks import TaskError, load_task
+from pipeline.rollout.sandbox import (
+    DockerBackend,
+    DockerSettings,
+    LocalBackend,
+    LocalSettings,
+    SandboxBackend,
+)
+from pipeline.rollout.tasks import TaskError, load_task
 
 
 class SandboxConfig(Section):

@@ -13,10 +13,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from pipeline.config import Section
+from pipeline.core.config import Section
+from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, PolicyUpdated, RolloutFinished, RolloutRequest, SamplingParams
-from pipeline.runtime import Actor
-from pipeline.scheduling import Assignment, Planner, TaskSource, load_tasks, may_issue, oracle_script
+from pipeline.rollout.scheduling import Assignment, Planner, TaskSource, load_tasks, may_issue, oracle_script
 
 
 class SchedulerConfig(Section):

@@ -7,9 +7,9 @@ from typing import Any
 
 import anyio
 
-from pipeline.config import Section
+from pipeline.core.config import Section
+from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, Note
-from pipeline.runtime import Actor
 
 
 class SourceConfig(Section):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import Section
+from pipeline.core.config import Section
+from pipeline.core.runtime import Actor
 from pipeline.messages import GroupDropped, Metric, SettledRollout, TreeGroup
-from pipeline.packing import build_group, pack_demonstrations
-from pipeline.runtime import Actor
-from pipeline.tree import TreeOptions
+from pipeline.trees.packing import build_group, pack_demonstrations
+from pipeline.trees.tree import TreeOptions
 
 
 class TreeConfig(Section):

@@ -6,11 +6,11 @@
 It serves these endpoints with the same fixed answer ("OK" then <|im_end|>):
 
 - ``POST /generate``: SGLang's native response shape (``reference/sglang-api.md``), what bridle's proxy calls
-  through :class:`pipeline.sglang_client.HttpEngine`;
+  through :class:`pipeline.serving.sglang_client.HttpEngine`;
 - ``POST /v1/chat/completions``: OpenAI-compatible, streamed as SSE when ``stream`` is true — the baseline the
   load client calls directly, and what LiteLLM forwards to;
 - with ``--tokenize`` also ``POST /tokenize/v1/chat/completions``: the same answer after rendering the request
-  with the Qwen3 chat template and tokenizing it (``pipeline.render.qwen3_renderer``), the work a real engine's
+  with the Qwen3 chat template and tokenizing it (``pipeline.tokens.render.qwen3_renderer``), the work a real engine's
   OpenAI endpoint does for a direct chat call and that bridle does instead of the engine (it sends ids).
 
 The plain handlers do the work a real server cannot avoid (read and parse the JSON body) and nothing else, so
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-# Qwen tokenizer ids of "OK" and <|im_end|> (pipeline.tokenizer.QwenTokenizer().encode("OK<|im_end|>")).
+# Qwen tokenizer ids of "OK" and <|im_end|> (pipeline.tokens.tokenizer.QwenTokenizer().encode("OK<|im_end|>")).
 DEFAULT_IDS = (3925, 151645)
 DEFAULT_TEXT = "OK"
 
@@ -95,8 +95,8 @@ def make_app(ids: tuple[int, ...] = DEFAULT_IDS, text: str = DEFAULT_TEXT, token
     render = None
     if tokenize:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the bridle checkout this file is in
-        from pipeline.conversation import from_chat
-        from pipeline.render import qwen3_renderer
+        from pipeline.tokens.conversation import from_chat
+        from pipeline.tokens.render import qwen3_renderer
 
         renderer = qwen3_renderer()
 

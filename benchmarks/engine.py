@@ -19,9 +19,9 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.engine import Sampling
-from pipeline.sglang_launch import start_embedded_engine
-from pipeline.smallmodel import IM_END, IM_START, VocabTable, create_small_model
+from pipeline.models.small import IM_END, IM_START, VocabTable, create_small_model
+from pipeline.serving.engine import Sampling
+from pipeline.serving.launch import start_embedded_engine
 
 
 async def measure(client, concurrency: int, prompt_len: int, tokens: int, rounds: int) -> tuple[float, float]:

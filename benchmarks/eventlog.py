@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
+from pipeline.core.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
 from pipeline.messages import ModelCall, Note, pack_f32, pack_i32
 
 

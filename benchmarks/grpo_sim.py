@@ -5,7 +5,7 @@ It reuses what a finished quickstart run recorded — the SFT demonstration pack
 prompt the white-box harness sent — and replaces only the slow outer loop: sampling happens in this process with
 the Hugging Face model (KV cache, batch = one group), and the reward is computed from the first call's tool-call
 arguments (what `create_word`'s verifier checks after the harness executes that call: the file at the asked path
-holds the asked word). The groups then go through the real tree builder (`pipeline.packing.build_group`) and the
+holds the asked word). The groups then go through the real tree builder (`pipeline.trees.packing.build_group`) and the
 real `Learner.train_step`, so advantages, loss aggregation, KL, clipping and the optimizer are the shipped code.
 What it leaves out: the harness's later turns (the "Done." answer after the tool result), the sandbox, staleness.
 It reproduced the pipeline's behaviour closely enough to choose the quickstart's settings (README, "Quickstart:
@@ -40,9 +40,8 @@ import msgspec
 import numpy as np
 import torch
 
-from pipeline.eventlog import EventLogReader
-from pipeline.learner import Learner, LearnerConfig
-from pipeline.logs import configure
+from pipeline.core.eventlog import EventLogReader
+from pipeline.core.logs import configure
 from pipeline.messages import (
     ModelCall,
     RolloutFinished,
@@ -54,10 +53,11 @@ from pipeline.messages import (
     pack_f32,
     pack_i32,
 )
-from pipeline.packing import build_group
-from pipeline.render import qwen3_renderer
-from pipeline.smallmodel import VocabTable, load_vocab_table
-from pipeline.taskgen import generate
+from pipeline.models.small import VocabTable, load_vocab_table
+from pipeline.rollout.taskgen import generate
+from pipeline.tokens.render import qwen3_renderer
+from pipeline.training.learner import Learner, LearnerConfig
+from pipeline.trees.packing import build_group
 
 IM_END = 151645
 

@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.learner import Learner, LearnerConfig
-from pipeline.logs import configure
+from pipeline.core.logs import configure
 from pipeline.messages import PackedTree, RolloutSummary, TreeGroup, pack_f32, pack_i32, pack_u8
+from pipeline.training.learner import Learner, LearnerConfig
 
 H200_BF16_TFLOPS = 989.0
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
 
-from pipeline.eventlog import EventLogReader
+from pipeline.core.eventlog import EventLogReader
 from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest, TreeGroup
 
 

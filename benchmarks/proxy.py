@@ -16,7 +16,7 @@ Set-up (every process alone on its own event loop, everything on 127.0.0.1):
   prompt, work bridle does in its place (it sends ids to ``/generate``). So there is a second baseline:
 - direct+tokenize: the same call to ``/tokenize/v1/chat/completions``, where the zero engine also renders and
   tokenizes the request (Qwen3 template, bridle's tiktoken tokenizer) before answering.
-- bridle: ``pipeline.proxy.Proxy`` over ``pipeline.sglang_client.HttpEngine`` pointed at the engine's
+- bridle: ``pipeline.serving.proxy.Proxy`` over ``pipeline.serving.sglang_client.HttpEngine`` pointed at the engine's
   ``/generate``, started by this script in its own process (``--serve-bridle``), one rollout token per client.
 - LiteLLM: ``litellm --config`` forwarding model "policy" to the engine's ``/v1/chat/completions``
   (one worker, master key from ``LITELLM_MASTER_KEY``, set here to a throwaway value).
@@ -109,8 +109,8 @@ def chat_body(prompt: str, tag: str, max_tokens: int, turn: int = 0) -> dict[str
 def build_prompt(target_tokens: int) -> tuple[str, int]:
     """A long user text whose rendered chat prompt is about ``target_tokens`` tokens; (text, rendered length)."""
     sys.path.insert(0, str(ROOT))
-    from pipeline.conversation import from_chat
-    from pipeline.render import qwen3_renderer
+    from pipeline.tokens.conversation import from_chat
+    from pipeline.tokens.render import qwen3_renderer
 
     r = qwen3_renderer()
     n_words = target_tokens
@@ -125,9 +125,9 @@ def build_prompt(target_tokens: int) -> tuple[str, int]:
 
 def offline_render_ms(prompt: str, n: int = 40) -> float:
     """Mean Splicer.render time in this (quiet) process, fresh conversation each time, for reference."""
-    from pipeline.conversation import from_chat
-    from pipeline.render import qwen3_renderer
-    from pipeline.splice import Splicer
+    from pipeline.tokens.conversation import from_chat
+    from pipeline.tokens.render import qwen3_renderer
+    from pipeline.tokens.splice import Splicer
 
     sp = Splicer(qwen3_renderer())
     convs = [from_chat(chat_body(prompt, f"offline-{i}", 16)) for i in range(n + 3)]
@@ -199,11 +199,11 @@ def client_main(args: argparse.Namespace) -> None:
 async def serve_bridle(port: int, engine_url: str, rollouts: int, render_thread_chars: int | None) -> None:
     import anyio
 
-    from pipeline.logs import configure
+    from pipeline.core.logs import configure
     from pipeline.messages import ModelCall
-    from pipeline.proxy import Proxy, ProxySettings
-    from pipeline.render import qwen3_renderer
-    from pipeline.sglang_client import HttpEngine
+    from pipeline.serving.proxy import Proxy, ProxySettings
+    from pipeline.serving.sglang_client import HttpEngine
+    from pipeline.tokens.render import qwen3_renderer
 
     configure(level="info")  # what a run uses; per-call logs are debug
     # per-call phases from ModelCall.timings: before the engine (auth, JSON, conversion, render, stream head),
@@ -457,14 +457,14 @@ def fmt(x: float | None, nd: int = 1) -> str:
 
 def bench(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
-    from pipeline.tokenizer import QwenTokenizer
+    from pipeline.tokens.tokenizer import QwenTokenizer
 
     ids = QwenTokenizer().encode("OK<|im_end|>")
     prompt, n_prompt = build_prompt(args.prompt_tokens)
     workload = f"{n_prompt}-token prompts"
     if args.turns > 1:
-        from pipeline.conversation import from_chat
-        from pipeline.render import qwen3_renderer
+        from pipeline.tokens.conversation import from_chat
+        from pipeline.tokens.render import qwen3_renderer
 
         n_last = len(qwen3_renderer().render_ids(from_chat(chat_body(prompt, "0-x-0-0", 16, args.turns - 1))))
         workload = (f"conversations of {args.turns} calls, prompts of {n_prompt}-{n_last} tokens (each call resends "

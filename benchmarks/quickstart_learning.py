@@ -40,7 +40,7 @@ def paired_se(run_dir: Path, steps: int) -> tuple[float | None, str]:
     """Standard error of (last-5 mean - first-5 mean) from per-task differences, when both windows trained on the
     same tasks (the quickstart's pool); (None, "") otherwise. From the event log: a group's task and its rollouts'
     rewards; group j belongs to step j // groups_per_step + 1."""
-    from pipeline.eventlog import EventLogReader
+    from pipeline.core.eventlog import EventLogReader
     from pipeline.messages import RolloutFinished, RolloutRequest
 
     per_step = tomllib.loads((run_dir / "config.toml").read_text())["scheduler"]["groups_per_step"]

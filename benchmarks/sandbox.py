@@ -8,7 +8,7 @@ out, process / container started; Docker: container created, files copied in, st
 (harness + verifier + teardown). Idle sandboxes: ``--concurrent`` rollouts whose harness sleeps, started together;
 the table shows how many were running at once and their memory: the PSS of every process of a sandbox
 (Docker: including the container's containerd shim), averaged over the sandboxes. Goal: 64 on 2 cores / 24 GB.
-Docker needs the images (``python -m pipeline.images``).
+Docker needs the images (``python -m pipeline.rollout.images``).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.messages import RolloutRequest
-from pipeline.sandbox import MARKER_ID, MARKER_RUN, DockerBackend, DockerSettings, LocalBackend
-from pipeline.taskgen import generate
-from pipeline.tasks import Task, materialize
-from tests.proxyutil import running_proxy
+from pipeline.rollout.sandbox import MARKER_ID, MARKER_RUN, DockerBackend, DockerSettings, LocalBackend
+from pipeline.rollout.taskgen import generate
+from pipeline.rollout.tasks import Task, materialize
+from tests.helpers.proxyutil import running_proxy
 
 
 def mem_available() -> int:

@@ -25,9 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.conversation import Conversation, Message, Tool, ToolCall
-from pipeline.render import HFTemplateRenderer, Renderer, qwen3_renderer
-from pipeline.splice import Splicer
+from pipeline.tokens.conversation import Conversation, Message, Tool, ToolCall
+from pipeline.tokens.render import HFTemplateRenderer, Renderer, qwen3_renderer
+from pipeline.tokens.splice import Splicer
 
 TURNS = 100
 WORDS = [
@@ -156,7 +156,7 @@ def main() -> None:
         qwen3_renderer(), "Qwen3Renderer (Python ChatML + offline tokenizer)", a.turns, a.result_chars, a.seed
     )
     if a.hf:
-        from pipeline.tokenizer import HFTokenizer, qwen_hf_folder
+        from pipeline.tokens.tokenizer import HFTokenizer, qwen_hf_folder
 
         run(
             HFTemplateRenderer(HFTokenizer(qwen_hf_folder())),

@@ -29,8 +29,8 @@ from pipeline.messages import (
     pack_f32,
     pack_i32,
 )
-from pipeline.packing import build_group
-from pipeline.tree import TreeOptions
+from pipeline.trees.packing import build_group
+from pipeline.trees.tree import TreeOptions
 
 GROUP = 4
 VOCAB = 150_000

@@ -21,4 +21,4 @@ if ! docker info >/dev/null 2>&1; then
   docker info >/dev/null 2>&1 || { echo "dockerd did not start; see /tmp/bridle-dockerd.log" >&2; tail -20 /tmp/bridle-dockerd.log >&2; exit 1; }
 fi
 
-"$PY" -m pipeline.images
+"$PY" -m pipeline.rollout.images

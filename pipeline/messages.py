@@ -91,7 +91,7 @@ class RolloutRequest(_Msg, kw_only=True):
     purpose: Literal["train", "eval", "sft"] = "train"
     task_path: str = ""  # the task folder (Harbor format) the sandbox lays out and verifies
     # Scripted rollouts (oracle demonstrations for cold-start SFT, tests): the responses the proxy's scripted engine
-    # plays for this rollout, in pipeline.scripted_engine's neutral form. Empty: the policy engine answers.
+    # plays for this rollout, in pipeline.serving.scripted's neutral form. Empty: the policy engine answers.
     script: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 

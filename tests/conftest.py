@@ -1,32 +1,6 @@
-import os
-import shutil
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-def require(condition: bool, why: str) -> None:
-    """Skip on a developer's machine when something external is missing; in CI (CI=true) fail instead."""
-    if condition:
-        return
-    if IN_CI:
-        pytest.fail(f"required in CI: {why}")
-    pytest.skip(why)
-
-
-def require_binary(name: str) -> str:
-    path = shutil.which(name)
-    require(path is not None, f"{name} is not installed")
-    return path  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""What run.py does: run directories, runs, resume, --serve, replay and its summaries."""

@@ -1,0 +1,323 @@
+"""Starting runs and replays: run directories, logging, the event log, the supervisor.
+
+``run.py`` is a thin command line over these functions; tests call them directly too.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from pipeline.core import config as cfg
+from pipeline.core import logs
+from pipeline.core.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
+from pipeline.core.runtime import Graph, Resolver, Resume, Supervisor
+from pipeline.messages import SCHEMA_VERSION, ConfigChanged
+
+
+@dataclass
+class RunDir:
+    path: Path
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.msgpack"
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.toml"
+
+    @property
+    def log_file(self) -> Path:
+        return self.path / "log.jsonl"
+
+
+def make_run_dir(exp: cfg.Experiment, run_dir: str | Path | None, suffix: str = "") -> RunDir:
+    if run_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = Path(exp.experiment.runs_dir) / f"{stamp}-{exp.name}{suffix}"
+        path, i = base, 1
+        while path.exists():
+            i += 1
+            path = base.with_name(f"{base.name}-{i}")
+    else:
+        path = Path(run_dir)
+        if (path / "events.msgpack").exists():
+            raise cfg.ConfigError(f"--run-dir {path}: already holds a run (events.msgpack); pick a new directory")
+    path.mkdir(parents=True, exist_ok=True)
+    return RunDir(path)
+
+
+def open_event_log(rd: RunDir, exp: cfg.Experiment, replay_of: str = "") -> AsyncEventLog:
+    header = LogHeader(
+        schema_version=SCHEMA_VERSION,
+        run_id=f"{rd.path.name}-{uuid.uuid4().hex[:8]}",
+        created=time.time(),
+        experiment=exp.name,
+        config=exp.to_dict(),
+        replay_of=replay_of,
+    )
+    return AsyncEventLog(EventLogWriter(rd.events, header))
+
+
+def prepare(exp: cfg.Experiment, run_dir: str | Path | None, *, suffix: str = "", console: bool = True) -> RunDir:
+    rd = make_run_dir(exp, run_dir, suffix)
+    rd.config.write_text(exp.to_toml(), encoding="utf-8")
+    logs.configure(rd.log_file, level=exp.experiment.log_level, console=console)
+    return rd
+
+
+async def run_experiment(
+    exp: cfg.Experiment,
+    resolve: Resolver,
+    rd: RunDir,
+    *,
+    config_path: Path | None = None,
+    handle_signals: bool = True,
+) -> Supervisor:
+    """Run the graph of ``exp`` to its end. Raises ActorCrashed / Interrupted like Supervisor.run."""
+    await build_model(exp)
+    log = open_event_log(rd, exp)
+    sup = Supervisor(exp, resolve, log, config_path=config_path, handle_signals=handle_signals, run_dir=rd.path)
+    logs.get_logger(actor="run").info("run started", run_dir=str(rd.path), experiment=exp.name)
+    try:
+        await sup.run()
+    finally:
+        log.close()
+    return sup
+
+
+async def build_model(exp: cfg.Experiment) -> None:
+    if not exp.experiment.build_model:
+        return
+    from pipeline.models.quickstart import ModelSpec, ensure_model
+
+    try:
+        spec = msgspec.convert(exp.experiment.build_model, ModelSpec)
+    except msgspec.ValidationError as e:
+        raise cfg.ConfigError(f"{exp.source}: [experiment.build_model]: {e}") from None
+    logs.get_logger(actor="run").info("preparing the model", path=spec.path)
+    await anyio.to_thread.run_sync(ensure_model, spec)
+
+
+def find_resume(run_dir: Path) -> Resume:
+    ckpts = sorted((run_dir / "checkpoints").glob("step*"))
+    ckpts = [c for c in ckpts if (c / "learner_state.json").is_file()]  # a checkpoint cut by a crash is skipped
+    if not ckpts:
+        raise cfg.ConfigError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+    last = ckpts[-1]
+    return Resume(checkpoint=last, steps_done=int(last.name.removeprefix("step")))
+
+
+async def resume_experiment(exp: cfg.Experiment, resolve: Resolver, rd: RunDir, *, config_path: Path | None = None,
+                            handle_signals: bool = True) -> Supervisor:
+    """Continue a run from its last checkpoint, appending to its event log."""
+    res = find_resume(rd.path)
+    await build_model(exp)
+    writer = EventLogWriter.reopen(rd.events)
+    log = AsyncEventLog(writer)
+    logs.get_logger(actor="run").info("resuming", run_dir=str(rd.path), checkpoint=str(res.checkpoint),
+                                      steps_done=res.steps_done, truncated_bytes=writer.truncated_bytes)
+    sup = Supervisor(exp, resolve, log, config_path=config_path, handle_signals=handle_signals, run_dir=rd.path,
+                     resume=res)
+    try:
+        await sup.run()
+    finally:
+        log.close()
+    return sup
+
+
+def recorded_experiment(log_path: Path, resolve: Resolver, overrides: list[str] | None = None) -> cfg.Experiment:
+    reader = EventLogReader(log_path)
+    data = msgspec.to_builtins(reader.header.config)
+    exp = cfg.load_experiment(data, resolve, overrides)
+    exp.source = f"{log_path} (recorded config)"
+    return exp
+
+
+STAGE_ALIASES = {"trees": "tree"}
+
+
+def resolve_stage(exp: cfg.Experiment, names: list[str]) -> set[str]:
+    """Actor names for ``--stage``: an actor's name, its kind, or an alias ("trees" = the actor of kind "tree")."""
+    out = set()
+    for n in names:
+        n = STAGE_ALIASES.get(n, n)
+        if n in exp.graph.actors:
+            out.add(n)
+            continue
+        by_kind = [a for a, kind in exp.graph.actors.items() if kind == n]
+        out.update(by_kind or [n])
+    return out
+
+
+def compare_replay(original: Path, replayed: Path) -> dict[str, Any]:
+    """Do the replay's trees / batches equal the recorded ones? (hashes of packed arrays, in order)"""
+    from pipeline.messages import PolicyUpdated, TreeGroup, packed_hash
+
+    def collect(path: Path) -> tuple[dict[str, str], list[tuple[int, str]]]:
+        trees, updates = {}, []
+        for ev in EventLogReader(path):
+            if isinstance(ev.msg, TreeGroup):
+                trees[ev.msg.group_id] = packed_hash([ev.msg])
+            elif isinstance(ev.msg, PolicyUpdated) and ev.msg.batch_hash:
+                updates.append((ev.msg.step, ev.msg.batch_hash))
+        return trees, updates
+
+    t0, u0 = collect(original)
+    t1, u1 = collect(replayed)
+    out: dict[str, Any] = {}
+    if t1:
+        same = sum(1 for g, h in t1.items() if t0.get(g) == h)
+        out["trees"] = {"replayed": len(t1), "recorded": len(t0), "identical": same}
+    if u1:
+        same = sum(1 for a, b in zip(u0, u1) if a == b)
+        out["batches"] = {"replayed": len(u1), "recorded": len(u0), "identical": same}
+    return out
+
+
+def replay_plan(exp: cfg.Experiment, stage: set[str]) -> dict[str, list[str]]:
+    """Which recorded outputs ("actor.output") feed which replayed actors: every edge from outside the stage in."""
+    unknown = stage - set(exp.graph.actors)
+    if unknown:
+        raise cfg.ConfigError(
+            f"--stage {','.join(sorted(unknown))}: not an actor of the recorded graph "
+            f"({', '.join(exp.graph.actors)})"
+        )
+    plan: dict[str, list[str]] = {}
+    for src, out, dst in exp.graph.parsed_edges():
+        if dst in stage and src not in stage:
+            plan.setdefault(f"{src}.{out}", []).append(dst)
+    return plan
+
+
+async def replay_stage(
+    log_path: Path,
+    exp: cfg.Experiment,
+    resolve: Resolver,
+    stage: set[str],
+    rd: RunDir,
+) -> Supervisor:
+    """Re-feed the recorded inputs of ``stage`` into fresh instances of its actors and run them live.
+
+    Edges among the stage's actors are live; outputs to actors outside the stage only go to the new event log.
+    Recorded config changes of the stage's actors are applied at their place in the stream (after the target's
+    inbox has drained), so a replay sees what the live run saw.
+    """
+    plan = replay_plan(exp, stage)
+    reader = EventLogReader(log_path)
+    log = open_event_log(rd, exp, replay_of=str(log_path))
+    sup = Supervisor(exp, resolve, log, handle_signals=True, only=stage, external_inputs=set(), run_dir=rd.path)
+    missing = {d for dsts in plan.values() for d in dsts} - set(sup.graph.feeds)
+    assert not missing, missing
+
+    async def feeder(graph: Graph) -> None:
+        for ev in reader:
+            targets = plan.get(ev.src)
+            if targets:
+                for dst in targets:
+                    await graph.feeds[dst].send(ev.msg)
+            elif isinstance(ev.msg, ConfigChanged) and ev.msg.accepted and ev.msg.section in graph.actors:
+                await _apply_recorded_change(graph, exp, ev.msg)
+        if reader.report.truncated_at is not None:
+            logs.get_logger(actor="replay").warning("replayed a truncated log", detail=reader.report.problem)
+
+    try:
+        await sup.run(feeder)
+    finally:
+        log.close()
+    return sup
+
+
+async def _apply_recorded_change(graph: Graph, exp: cfg.Experiment, change: ConfigChanged) -> None:
+    actor = graph.actors[change.section]
+    if actor.inbox is not None:
+        while actor.inbox.statistics().current_buffer_used:
+            await anyio.sleep(0.001)
+    current = msgspec.to_builtins(actor.config)
+    current.update(change.changes)
+    new = msgspec.convert(current, type(actor.config))
+    exp.sections[change.section] = new
+    await actor.on_config(new, dict(change.changes))
+
+
+async def serve(
+    exp: cfg.Experiment, resolve: Resolver, rd: RunDir, announce: Callable[[dict[str, Any]], None]
+) -> Supervisor:
+    """Engine + proxy only, for recording any harness by hand: ``announce`` gets the endpoints and a token."""
+    names = [n for n, kind in exp.graph.actors.items() if kind == "proxy"]
+    if len(names) != 1:
+        raise cfg.ConfigError(f"--serve: the experiment needs exactly one actor of kind \"proxy\" (found {names})")
+    name = names[0]
+    log = open_event_log(rd, exp)
+    sup = Supervisor(exp, resolve, log, only={name}, external_inputs={name}, run_dir=rd.path)
+    actor: Any = sup.actors[name]
+
+    async def hold_open(graph: Graph) -> None:
+        await actor.ready.wait()
+        token = actor.proxy.open_rollout(f"serve-{rd.path.name}")
+        base = actor.proxy.base_url
+        announce({"openai_base_url": f"{base}/v1", "anthropic_base_url": base, "token": token,
+                  "unix_socket": actor.proxy.unix_socket, "run_dir": str(rd.path), "events": str(rd.events)})
+        await anyio.sleep_forever()
+
+    try:
+        await sup.run(hold_open)
+    finally:
+        log.close()
+    return sup
+
+
+def call_lines(log_path: Path) -> list[str]:
+    """One line per recorded model call (``--replay LOG --calls``)."""
+    from pipeline.messages import CallFailed, ModelCall, ids
+
+    out = []
+    for ev in EventLogReader(log_path):
+        m = ev.msg
+        if isinstance(m, ModelCall):
+            out.append(
+                f"{m.rollout_id:>20s} #{m.seq:<3d} {m.protocol:9s} {m.label:10s} in {len(ids(m.input_ids)):>6d} "
+                f"out {len(ids(m.output_ids)):>5d}  {m.finish_reason:10s} spliced {m.spliced_turns} "
+                f"rendered {m.rendered_turns}  v{m.versions[0].version if m.versions else '?'}"
+            )
+        elif isinstance(m, CallFailed):
+            out.append(f"{m.rollout_id:>20s} #{m.seq:<3d} FAILED: {m.reason}")
+    return out
+
+
+def tree_lines(log_path: Path, calls: bool = False) -> list[str]:
+    """Per-rollout tree statistics rebuilt from the recorded settled rollouts (``--replay LOG --trees``)."""
+    from pipeline.messages import SettledRollout
+    from pipeline.trees.tree import TreeOptions, build_tree, format_calls, format_stats
+
+    out = []
+    for ev in EventLogReader(log_path):
+        if isinstance(ev.msg, SettledRollout):
+            tree = build_tree(ev.msg, TreeOptions())
+            out.append(format_stats(tree.summary(), tree.relabelled))
+            if calls:
+                out.append(format_calls(tree))
+    return out
+
+
+def summary_text(s: Any) -> str:
+    lines = [
+        f"event log  {s.path}",
+        f"run        {s.run_id}  (experiment {s.experiment}, schema v{s.schema_version})",
+        f"events     {s.events}  over {s.span_s:.2f} s",
+        f"rollouts   {s.rollouts}   groups {s.groups}   steps {s.steps}"
+        + (f"   policy version {s.last_policy_version}" if s.last_policy_version is not None else ""),
+        "by type    " + ", ".join(f"{k} {v}" for k, v in s.by_type.items()),
+        "by source  " + ", ".join(f"{k} {v}" for k, v in s.by_source.items()),
+    ]
+    if s.truncated_at is not None:
+        lines.append(f"TRUNCATED  {s.problem}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The actor framework: runtime (actors, bounded channels, supervisor), configuration, event log, logging."""

@@ -1,0 +1,264 @@
+"""Experiment files: TOML, one section per actor, decoded into msgspec Structs.
+
+An experiment file has two fixed sections and one section per actor::
+
+    [experiment]                  # name, seed, where runs go
+    [graph]                       # which actors run (name -> kind) and how their outputs connect
+    actors = { source = "toy.source", sink = "toy.sink" }
+    edges = ["source.out -> sink"]
+    [source]                      # decoded with the Config struct of the actor class named by its kind
+    count = 10
+
+Every field of an actor's Config is either hot-reloadable (listed in the class's ``reloadable`` set) or fixed.
+A reload that touches a fixed field is refused as a whole, so nothing is ever half-applied.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+
+from pipeline.core.paths import CONFIG_DIR
+
+
+class ConfigError(Exception):
+    """A config problem, phrased for the user: which file, which field, what was expected."""
+
+
+class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every config section. Subclasses list their hot-reloadable fields in ``reloadable``."""
+
+    reloadable: ClassVar[frozenset[str]] = frozenset()
+
+
+class ExperimentSection(Section):
+    name: str = ""
+    seed: int = 0
+    runs_dir: str = "runs"
+    log_level: str = "info"
+    description: str = ""
+    # Build a small CPU policy before the run if it is missing (pipeline.models.quickstart.ModelSpec fields).
+    build_model: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class GraphSection(Section):
+    actors: dict[str, str] = msgspec.field(default_factory=dict)  # actor name -> kind (registry key or mod:Class)
+    edges: list[str] = msgspec.field(default_factory=list)  # "actor.output -> actor"
+    queue_size: int = 64  # default bound of every inbox
+    inbox_sizes: dict[str, int] = msgspec.field(default_factory=dict)  # per-actor override
+    # The run is complete once all of these actors returned: the others are then stopped (a cyclic graph such
+    # as scheduler -> ... -> learner -> scheduler never drains by itself). Empty: run until every actor returned.
+    stop_after: list[str] = msgspec.field(default_factory=list)
+
+    def parsed_edges(self) -> list[tuple[str, str, str]]:
+        out = []
+        for e in self.edges:
+            m = re.fullmatch(r"\s*([\w-]+)\.([\w-]+)\s*->\s*([\w-]+)\s*", e)
+            if not m:
+                raise ConfigError(f'[graph].edges: "{e}" is not of the form "actor.output -> actor"')
+            out.append((m.group(1), m.group(2), m.group(3)))
+        return out
+
+
+FIXED_SECTIONS = ("experiment", "graph")
+
+
+@dataclass
+class Experiment:
+    """A validated experiment: the fixed sections plus one typed section per actor."""
+
+    source: str  # file path (or "<dict>") for error messages
+    experiment: ExperimentSection
+    graph: GraphSection
+    sections: dict[str, Section]
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.experiment.name or Path(self.source).stem
+
+    def section(self, name: str) -> Section:
+        return self.sections[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "experiment": msgspec.to_builtins(self.experiment),
+            "graph": msgspec.to_builtins(self.graph),
+        }
+        for k, v in self.sections.items():
+            d[k] = msgspec.to_builtins(v)
+        return d
+
+    def to_toml(self) -> str:
+        import tomli_w
+
+        return tomli_w.dumps(_drop_none(self.to_dict()))
+
+
+def _drop_none(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _drop_none(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_none(v) for v in x]
+    return x
+
+
+def resolve_experiment_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.exists():
+            raise ConfigError(f"{p}: no such experiment file")
+        return p
+    q = CONFIG_DIR / f"{name_or_path}.toml"
+    if not q.exists():
+        known = ", ".join(sorted(x.stem for x in CONFIG_DIR.glob("*.toml")))
+        raise ConfigError(f'experiment "{name_or_path}": no file {q}; known experiments: {known}')
+    return q
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``section.field=value`` -> (["section", "field"], value). The value is read as TOML, else as a string."""
+    if "=" not in text:
+        raise ConfigError(f'--set {text}: expected "section.field=value"')
+    key, raw = text.split("=", 1)
+    parts = [p.strip() for p in key.strip().split(".")]
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f'--set {text}: expected "section.field=value" (e.g. learner.lr=1e-6)')
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for o in overrides:
+        parts, value = parse_override(o)
+        node = raw
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {o}: {'.'.join(parts[:-1])} is a value, not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return raw
+
+
+_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.DOTALL)
+
+
+def _explain(source: str, section: str, err: msgspec.ValidationError, overrides: list[str]) -> str:
+    m = _AT.match(str(err))
+    what, path = (m.group(1), m.group(2) or "") if m else (str(err), "")
+    field_path = re.sub(r"\.(\w+)", r".\1", path).lstrip(".")
+    where = f"[{section}]" + (f".{field_path}" if field_path else "")
+    what = what.replace("`", "")
+    for o in overrides:
+        key = o.split("=", 1)[0].strip()
+        if field_path and key == f"{section}.{field_path}":
+            return f"--set {o}: {what[0].lower() + what[1:]} (field {where} in {source})"
+    return f"{source}: {where}: {what[0].lower() + what[1:]}"
+
+
+def _decode(source: str, section: str, data: Any, typ: type, overrides: list[str]) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: [{section}] must be a table, got {type(data).__name__}")
+    try:
+        return msgspec.convert(data, typ)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_explain(source, section, e, overrides)) from None
+
+
+def load_experiment(
+    name_or_path: str | Path | dict[str, Any],
+    resolve: Callable[[str], type],
+    overrides: list[str] | None = None,
+) -> Experiment:
+    """Read, override and validate an experiment. ``resolve(kind)`` returns the actor class of a kind."""
+    overrides = list(overrides or [])
+    if isinstance(name_or_path, dict):
+        source, raw = "<dict>", dict(name_or_path)
+    else:
+        path = resolve_experiment_path(str(name_or_path))
+        source = str(path)
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    raw = apply_overrides(raw, overrides)
+    exp = _decode(source, "experiment", raw.pop("experiment", {}), ExperimentSection, overrides)
+    graph = _decode(source, "graph", raw.pop("graph", {}), GraphSection, overrides)
+    if not graph.actors:
+        raise ConfigError(f"{source}: [graph].actors is empty; name at least one actor, e.g. actors = {{ a = \"kind\" }}")
+    names = set(graph.actors)
+    for src, out, dst in graph.parsed_edges():
+        for n in (src, dst):
+            if n not in names:
+                raise ConfigError(f"{source}: [graph].edges names actor \"{n}\", which is not in [graph].actors")
+    for n in graph.stop_after:
+        if n not in names:
+            raise ConfigError(f"{source}: [graph].stop_after names actor \"{n}\", which is not in [graph].actors")
+    for name in list(raw):
+        if name not in names:
+            raise ConfigError(
+                f"{source}: unknown section [{name}]; sections are [experiment], [graph] and one per actor "
+                f"in [graph].actors ({', '.join(sorted(names))})"
+            )
+    sections: dict[str, Section] = {}
+    for name, kind in graph.actors.items():
+        try:
+            cls = resolve(kind)
+        except (KeyError, ImportError, AttributeError, TypeError) as e:
+            raise ConfigError(f"{source}: [graph].actors.{name}: unknown actor kind \"{kind}\" ({e})") from None
+        sections[name] = _decode(source, name, raw.get(name, {}), cls.Config, overrides)
+        for src, out, dst in graph.parsed_edges():
+            if src == name and out not in cls.outputs:
+                raise ConfigError(
+                    f"{source}: [graph].edges: actor \"{name}\" ({kind}) has no output \"{out}\"; "
+                    f"its outputs are {', '.join(cls.outputs) or 'none'}"
+                )
+    return Experiment(source=source, experiment=exp, graph=graph, sections=sections, overrides=overrides)
+
+
+@dataclass
+class ConfigDiff:
+    changes: dict[str, dict[str, Any]]  # section -> field -> new value (only sections that changed)
+    refused: list[str]  # "[section].field" of fixed fields that changed
+
+    @property
+    def empty(self) -> bool:
+        return not self.changes and not self.refused
+
+
+def diff(old: Experiment, new: Experiment) -> ConfigDiff:
+    changes: dict[str, dict[str, Any]] = {}
+    refused: list[str] = []
+    for sec in FIXED_SECTIONS:
+        a, b = msgspec.to_builtins(getattr(old, sec)), msgspec.to_builtins(getattr(new, sec))
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                refused.append(f"[{sec}].{k}")
+    if refused:
+        return ConfigDiff({}, refused)
+    for name, sec_new in new.sections.items():
+        sec_old = old.sections[name]
+        if type(sec_old) is not type(sec_new):
+            refused.append(f"[{name}]")
+            continue
+        a, b = msgspec.to_builtins(sec_old), msgspec.to_builtins(sec_new)
+        changed = {k: b.get(k) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+        if not changed:
+            continue
+        for k in changed:
+            if k not in type(sec_new).reloadable:
+                refused.append(f"[{name}].{k}")
+        changes[name] = changed
+    if refused:
+        return ConfigDiff({}, refused)
+    return ConfigDiff(changes, [])

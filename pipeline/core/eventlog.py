@@ -1,0 +1,337 @@
+"""Append-only event log: every message of a run, replayable.
+
+File layout::
+
+    b"BRDLLOG1"                      8-byte magic
+    u32 little-endian length, msgpack(LogHeader)
+    u32 little-endian length, msgpack(Event)      one frame per message, in the order they were sent
+    ...
+
+Frames are encoded straight into one growing buffer (``msgspec.Encoder.encode_into``) and written in large chunks,
+so appending costs one encode and no syscall. A crash can only cut the *last* frame; the reader reports that and
+stops there, and nothing before it is lost. With :class:`AsyncEventLog` the buffer is written by a worker thread at
+least every ``flush_interval`` seconds, so a ``kill -9`` loses at most that much.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import anyio
+import msgspec
+
+from pipeline.core.logs import get_logger
+from pipeline.messages import SCHEMA_VERSION, Event, Message
+
+MAGIC = b"BRDLLOG1"
+_LEN = struct.Struct("<I")
+_MAX_FRAME = 1 << 31
+
+
+class LogHeader(msgspec.Struct, kw_only=True):
+    schema_version: int
+    run_id: str
+    created: float
+    experiment: str = ""
+    config: dict[str, Any] = msgspec.field(default_factory=dict)
+    replay_of: str = ""  # set when this log was produced by replaying another
+
+
+class EventLogError(Exception):
+    pass
+
+
+class EventLogWriter:
+    """Synchronous writer. Not thread-safe: one owner appends; :meth:`take` hands the buffer to a flusher."""
+
+    def __init__(self, path: Path | str, header: LogHeader, *, chunk_bytes: int = 1 << 20) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._enc = msgspec.msgpack.Encoder()
+        self._buf = bytearray(MAGIC)
+        self._chunk = chunk_bytes
+        self.frames = 0
+        self.bytes_written = 0
+        self._frame(header)
+        self.flush()
+
+    @classmethod
+    def reopen(cls, path: Path | str, *, chunk_bytes: int = 1 << 20) -> EventLogWriter:
+        """Continue an existing log (``--resume``): a frame cut by a crash is truncated away first, so the file
+        stays a clean sequence of frames; everything before it is kept."""
+        reader = EventLogReader(path)
+        end = reader.start_offset
+        for end, _ev in reader.iter_with_offsets():
+            pass
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_WRONLY)
+        os.ftruncate(self._fd, end)
+        os.lseek(self._fd, end, os.SEEK_SET)
+        self._enc = msgspec.msgpack.Encoder()
+        self._buf = bytearray()
+        self._chunk = chunk_bytes
+        self.frames = 0
+        self.bytes_written = end
+        self.truncated_bytes = len(reader._data) - end
+        return self
+
+    def _frame(self, obj: Any) -> None:
+        buf = self._buf
+        start = len(buf)
+        buf.extend(b"\0\0\0\0")
+        self._enc.encode_into(obj, buf, start + 4)
+        _LEN.pack_into(buf, start, len(buf) - start - 4)
+
+    def append(self, src: str, msg: Message, t: float | None = None) -> None:
+        self._frame(Event(t=time.time() if t is None else t, src=src, msg=msg))
+        self.frames += 1
+        if len(self._buf) >= self._chunk:
+            self.flush()
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buf)
+
+    def take(self) -> bytearray:
+        """Detach the buffered frames (to be written by :meth:`write_raw`, possibly in another thread)."""
+        buf, self._buf = self._buf, bytearray()
+        return buf
+
+    def write_raw(self, data: bytes | bytearray) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        self.bytes_written += len(data)
+
+    def flush(self) -> None:
+        if self._buf:
+            self.write_raw(self.take())
+
+    def close(self, fsync: bool = True) -> None:
+        if self._fd < 0:
+            return
+        self.flush()
+        if fsync:
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncEventLog:
+    """The supervisor's tap: ``record`` is called on the event loop; a background task writes in a worker thread.
+
+    ``record`` only encodes into memory; it awaits only when more than ``max_pending_bytes`` are waiting for the
+    disk, which is the log's back-pressure on the graph.
+    """
+
+    def __init__(
+        self,
+        writer: EventLogWriter,
+        *,
+        flush_interval: float = 0.1,
+        max_pending_bytes: int = 64 << 20,
+    ) -> None:
+        self.writer = writer
+        self.flush_interval = flush_interval
+        self.max_pending = max_pending_bytes
+        self._wake = anyio.Event()
+        self._lock = anyio.Lock()
+        self.counts: Counter[str] = Counter()
+
+    async def record(self, src: str, msg: Message) -> None:
+        self._append(src, msg)
+        if self.writer.pending_bytes > self.max_pending:
+            self._wake.set()
+            await self.flush()
+
+    def record_nowait(self, src: str, msg: Message) -> None:
+        self._append(src, msg)
+
+    def _append(self, src: str, msg: Message) -> None:
+        # Bypass the writer's own size-triggered flush: disk writes belong to the flusher thread here.
+        w = self.writer
+        w._frame(Event(t=time.time(), src=src, msg=msg))
+        w.frames += 1
+        self.counts[type(msg).__name__] += 1
+
+    async def flush(self) -> None:
+        async with self._lock:
+            data = self.writer.take()
+            if data:
+                # Shielded: once taken out of the buffer, the frames must reach the file even if we are cancelled
+                # before the worker thread starts.
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self.writer.write_raw, data)
+
+    async def run_flusher(self) -> None:
+        """Write buffered frames every ``flush_interval`` until cancelled; then write what is left."""
+        try:
+            while True:
+                with anyio.move_on_after(self.flush_interval):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+                await self.flush()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@dataclass
+class ReadReport:
+    frames: int = 0
+    truncated_at: int | None = None  # byte offset of a cut last frame, if any
+    problem: str = ""
+
+
+class EventLogReader:
+    """Iterate over a log's events. A cut last frame ends the iteration and is described in ``report``."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        try:
+            self._data = self.path.read_bytes()
+        except FileNotFoundError:
+            raise EventLogError(f"{self.path}: no such event log; pass the events.msgpack of a run directory")
+        if not self._data.startswith(MAGIC):
+            raise EventLogError(f"{self.path}: not a bridle event log (missing {MAGIC!r} magic)")
+        self.report = ReadReport()
+        header_bytes, self._start = self._read_frame(len(MAGIC))
+        if header_bytes is None:
+            raise EventLogError(f"{self.path}: the header frame is cut; the log holds no events")
+        self.header = msgspec.msgpack.decode(header_bytes, type=LogHeader)
+        if self.header.schema_version > SCHEMA_VERSION:
+            raise EventLogError(
+                f"{self.path}: schema version {self.header.schema_version} is newer than this bridle's "
+                f"{SCHEMA_VERSION}; upgrade bridle to read it"
+            )
+        self._log = get_logger(component="eventlog", path=str(self.path))
+
+    def _read_frame(self, off: int) -> tuple[memoryview | None, int]:
+        data = self._data
+        if off + 4 > len(data):
+            return None, off
+        (n,) = _LEN.unpack_from(data, off)
+        end = off + 4 + n
+        if n >= _MAX_FRAME or end > len(data):
+            return None, off
+        return memoryview(data)[off + 4 : end], end
+
+    @property
+    def start_offset(self) -> int:
+        """Offset of the first event frame (what a resume from the beginning would pass)."""
+        return self._start
+
+    def __iter__(self) -> Iterator[Event]:
+        for _off, ev in self.iter_with_offsets():
+            yield ev
+
+    def iter_with_offsets(self, start: int | None = None) -> Iterator[tuple[int, Event]]:
+        """Yield (offset just after the frame, event); the offset is what a checkpoint stores to resume from."""
+        dec = msgspec.msgpack.Decoder(Event)
+        off = self._start if start is None else start
+        size = len(self._data)
+        frames = 0
+        while off < size:
+            frame, end = self._read_frame(off)
+            if frame is None:
+                self._cut(off, f"last frame at byte {off} is cut ({size - off} bytes left); reading stops there")
+                break
+            try:
+                ev = dec.decode(frame)
+            except msgspec.DecodeError as e:
+                if end == size:
+                    self._cut(off, f"last frame at byte {off} does not decode ({e}); reading stops there")
+                    break
+                raise EventLogError(f"{self.path}: frame at byte {off} does not decode: {e}") from e
+            frames += 1
+            off = end
+            yield off, ev
+        self.report.frames = frames
+
+    def _cut(self, off: int, why: str) -> None:
+        self.report.truncated_at = off
+        self.report.problem = why
+        self._log.warning("event log truncated", detail=why)
+
+
+@dataclass
+class LogSummary:
+    path: str
+    run_id: str
+    experiment: str
+    schema_version: int
+    events: int = 0
+    by_type: dict[str, int] = field(default_factory=dict)
+    by_source: dict[str, int] = field(default_factory=dict)
+    rollouts: int = 0
+    groups: int = 0
+    steps: int = 0
+    last_policy_version: int | None = None
+    first_t: float | None = None
+    last_t: float | None = None
+    truncated_at: int | None = None
+    problem: str = ""
+
+    @property
+    def span_s(self) -> float:
+        if self.first_t is None or self.last_t is None:
+            return 0.0
+        return self.last_t - self.first_t
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["span_s"] = self.span_s
+        return d
+
+
+def summarize(path: Path | str) -> LogSummary:
+    reader = EventLogReader(path)
+    h = reader.header
+    s = LogSummary(path=str(path), run_id=h.run_id, experiment=h.experiment, schema_version=h.schema_version)
+    by_type: Counter[str] = Counter()
+    by_src: Counter[str] = Counter()
+    rollouts: set[str] = set()
+    groups: set[str] = set()
+    steps: set[int] = set()
+    for ev in reader:
+        m = ev.msg
+        by_type[type(m).__name__] += 1
+        by_src[ev.src] += 1
+        if s.first_t is None:
+            s.first_t = ev.t
+        s.last_t = ev.t
+        rid = getattr(m, "rollout_id", None)
+        if rid:
+            rollouts.add(rid)
+        gid = getattr(m, "group_id", None)
+        if gid:
+            groups.add(gid)
+        if type(m).__name__ == "PolicyUpdated":
+            steps.add(m.step)  # type: ignore[union-attr]
+            s.last_policy_version = m.version  # type: ignore[union-attr]
+    s.events = sum(by_type.values())
+    s.by_type = dict(sorted(by_type.items()))
+    s.by_source = dict(sorted(by_src.items()))
+    s.rollouts, s.groups, s.steps = len(rollouts), len(groups), len(steps)
+    s.truncated_at = reader.report.truncated_at
+    s.problem = reader.report.problem
+    return s

@@ -1,0 +1,1 @@
+"""Small policies built from a config (no hub), their reduced vocabularies, the quickstart model."""

@@ -1,0 +1,1 @@
+"""What a person sees: the live terminal display, metrics files and plots."""

@@ -1,0 +1,1 @@
+"""Rollouts: tasks, scheduling, harness adapters and the harness space, sandboxes, verifiers, images."""

@@ -1,0 +1,1 @@
+"""The policy behind the harnesses: engines (embedded, SGLang, scripted) and the capturing proxy."""

@@ -1,0 +1,248 @@
+"""Start (or attach to) a policy engine and wait until it is ready.
+
+- :func:`launch_sglang`: ``python -m sglang.launch_server`` for a model folder (needs the ``sglang`` extra and a GPU).
+- :func:`attach`: an already running SGLang server or ``sglang_router`` (give the workers for control calls).
+- :func:`start_embedded_engine`: ``python -m pipeline.serving.embedded_engine`` as a child process on a free port.
+
+Each is an async context manager yielding a ready :class:`pipeline.serving.sglang_client.HttpEngine`; the child process
+(its own process group) is terminated on exit. This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+
+import anyio
+
+from pipeline.core.logs import get_logger
+from pipeline.core.paths import REPO
+from pipeline.serving.sglang_client import HttpEngine
+
+log = get_logger(actor="engine_launch")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+async def wait_ready(
+    client: HttpEngine,
+    *,
+    timeout_s: float,
+    proc: subprocess.Popen | None = None,
+    log_path: Path | None = None,
+) -> None:
+    """Poll /health (then /model_info) until both answer; fail early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(
+                f"engine process exited with code {proc.returncode} before becoming ready; "
+                f"log {log_path}:\n{_tail(log_path) if log_path else ''}"
+            )
+        if await client.health():
+            await client.model_info()
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"engine at {client.base_url} not ready after {timeout_s:.0f}s; "
+                f"log {log_path}:\n{_tail(log_path) if log_path else ''}"
+            )
+        await anyio.sleep(0.25)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def _child(
+    cmd: list[str],
+    url_of: Callable[[subprocess.Popen, Path], Awaitable[str]],
+    *,
+    timeout_s: float,
+    log_path: Path | None,
+    control_urls: Sequence[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[HttpEngine]:
+    own_log = log_path is None
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="bridle-engine-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def spawn() -> subprocess.Popen:
+        with open(log_path, "ab") as logf:
+            return subprocess.Popen(
+                cmd,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
+
+    proc = await anyio.to_thread.run_sync(spawn)
+    log.info("engine process started", pid=proc.pid, cmd=" ".join(cmd), log=str(log_path))
+    client: HttpEngine | None = None
+    try:
+        base_url = await url_of(proc, log_path)
+        client = HttpEngine(base_url, control_urls=control_urls)
+        await wait_ready(client, timeout_s=timeout_s, proc=proc, log_path=log_path)
+        yield client
+    finally:
+        # Shielded: this runs when the run is cancelled (Ctrl-C, a crashed actor); without the shield the first
+        # await would re-raise the cancellation and leave the engine process running.
+        with anyio.CancelScope(shield=True):
+            if client is not None:
+                await client.aclose()
+            await anyio.to_thread.run_sync(_stop, proc)
+        log.info("engine process stopped", pid=proc.pid, returncode=proc.returncode)
+        if own_log and proc.returncode in (0, -signal.SIGTERM):
+            log_path.unlink(missing_ok=True)
+
+
+@contextlib.asynccontextmanager
+async def launch_sglang(
+    model_path: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    weight_version: str = "0",
+    mem_fraction_static: float | None = None,
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+    timeout_s: float = 900.0,
+    log_path: Path | None = None,
+) -> AsyncIterator[HttpEngine]:
+    """Launch ``sglang.launch_server`` and yield a client once /health and /model_info answer."""
+    port = port or free_port(host)
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--skip-server-warmup",
+        "--weight-version",
+        str(weight_version),
+    ]
+    if mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(mem_fraction_static)]
+    cmd += list(extra_args)
+
+    async def url_of(proc: subprocess.Popen, log_path: Path) -> str:
+        return f"http://{host}:{port}"
+
+    async with _child(cmd, url_of, timeout_s=timeout_s, log_path=log_path) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def attach(
+    base_url: str, *, worker_urls: Sequence[str] | None = None, timeout_s: float = 60.0
+) -> AsyncIterator[HttpEngine]:
+    """A client for a running server or router; weight updates and pauses go to ``worker_urls`` when given."""
+    client = HttpEngine(base_url, control_urls=worker_urls)
+    try:
+        await wait_ready(client, timeout_s=timeout_s)
+        for url in worker_urls or ():
+            await wait_ready(HttpEngine(url), timeout_s=timeout_s)
+        yield client
+    finally:
+        await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def start_embedded_engine(
+    model_path: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    weight_version: str = "0",
+    max_running_requests: int = 32,
+    threads: int = 0,
+    context_length: int | None = None,
+    timeout_s: float = 180.0,
+    log_path: Path | None = None,
+    python: str = sys.executable,
+) -> AsyncIterator[HttpEngine]:
+    """Run ``python -m pipeline.serving.embedded_engine`` on a free port and yield a ready client."""
+    # next to the log (the run folder) when there is one: a SIGKILLed run then leaves nothing behind in /tmp
+    port_dir = tempfile.mkdtemp(prefix="bridle-engine-port-",
+                                dir=log_path.parent if log_path and log_path.parent.is_dir() else None)
+    port_file = Path(port_dir) / "port"
+    cmd = [
+        python,
+        "-m",
+        "pipeline.serving.embedded_engine",
+        "--model",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--weight-version",
+        str(weight_version),
+        "--max-running-requests",
+        str(max_running_requests),
+        "--threads",
+        str(threads),
+    ]
+    if context_length:
+        cmd += ["--context-length", str(context_length)]
+    # The child must import this checkout's `pipeline` even when it is not installed.
+    root = str(REPO)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+
+    async def url_of(proc: subprocess.Popen, log_path: Path) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"embedded engine exited with code {proc.returncode} while loading {model_path}; "
+                    f"log {log_path}:\n{_tail(log_path)}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"embedded engine did not start within {timeout_s:.0f}s; log {log_path}")
+            await anyio.sleep(0.1)
+        return f"http://{host}:{port_file.read_text().strip()}"
+
+    try:
+        async with _child(cmd, url_of, timeout_s=timeout_s, log_path=log_path, env=env) as client:
+            yield client
+    finally:
+        port_file.unlink(missing_ok=True)
+        os.rmdir(port_dir)

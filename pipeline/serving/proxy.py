@@ -1,0 +1,564 @@
+"""The capturing proxy: the model boundary every harness talks to (DESIGN.md §2, wire-protocols.md).
+
+Per request: authenticate the rollout token → convert the body to the internal conversation → render to ids
+with splicing (token-in) → ``engine.generate`` → parse the output once → answer in the harness's protocol
+(buffered pseudo-SSE when a stream was asked for) → emit ``CallStarted`` and ``ModelCall`` (or ``CallFailed``).
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/messages`` (``?beta=true`` too), ``POST
+/v1/messages/count_tokens``, ``POST /v1/responses``, ``GET /v1/models``, ``HEAD /`` and ``GET /health``. The same
+paths without ``/v1`` are accepted, since base-URL conventions differ between clients.
+
+Errors are answered in the protocol of the endpoint, with ``x-should-retry: false`` where retrying cannot help, so a
+broken request or engine never turns into a retry storm (every retry would be a dead leaf in the tree).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import orjson
+from aiohttp import web
+
+from pipeline.core.logs import get_logger
+from pipeline.messages import (
+    CallFailed,
+    CallStarted,
+    CallTimings,
+    Message,
+    ModelCall,
+    RolloutRequest,
+    SamplingParams,
+    VersionSpan,
+    pack_f32,
+    pack_i32,
+)
+from pipeline.serving.engine import Engine, EngineBadRequest, EngineError, GenerateResult, Sampling
+from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse
+from pipeline.serving.wire import PROTOCOLS, ErrorKind, Protocol, Reply
+from pipeline.tokens.conversation import (
+    Conversation,
+    ConversionError,
+    from_anthropic,
+    from_chat,
+    from_responses,
+)
+from pipeline.tokens.render import Renderer
+from pipeline.tokens.splice import RenderPlan, RenderResult, Splicer
+
+Emit = Callable[[Message], Awaitable[None]]
+
+
+class ProxySettings(msgspec.Struct, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    unix_socket: str = ""  # also listen here (Docker sandboxes reach the proxy through a mounted socket)
+    keepalive_s: float = 5.0  # SSE heartbeat while the engine generates (<= 15 s per the wire rules)
+    # A stream's head (200, SSE headers, opening events) goes out once the engine has worked this long: a faster
+    # answer goes out whole in one write; anything slower gets its head within 20 ms, which no client can tell
+    # from "at once" (wire rules §4). 0 sends the head before waiting on the engine at all.
+    stream_head_s: float = 0.02
+    max_body_bytes: int = 32 << 20
+    context_len: int = 32768  # prompt + output must fit; longer prompts get a context-length error
+    model_name: str = "policy"
+    subagent_model: str = "policy-subagent"  # a model id harnesses are told to use for subagents
+    # A call with at least this many characters of new prompt text (not covered by the splicer's prefix cache)
+    # is tokenized in a worker thread, so the event loop keeps serving other calls meanwhile (the tokenizer
+    # releases the GIL); shorter ones are tokenized inline. A hop costs ~0.1 ms of CPU and makes the tokenization
+    # itself ~0.25 ms slower (measured at 2k tokens), so it pays only for long texts and with a core to spare:
+    # 32k characters is ~8k tokens, ~2 ms of tokenizing. 0 tokenizes every call inline.
+    render_thread_chars: int = 32768
+    render_threads: int = 2  # worker threads for that
+
+
+@dataclass
+class RolloutState:
+    request: RolloutRequest
+    splicer: Splicer
+    seq: int = 0
+    pending: set[str] = field(default_factory=set)
+    calls: int = 0
+    # one render of this rollout's Splicer at a time (a render may run in a worker thread; parallel calls of one
+    # rollout, e.g. subagents, would otherwise render concurrently)
+    render_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class ProxyError(Exception):
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# ------------------------------------------------------------------------------------------- labels
+COMPACTION_MARKERS = (
+    "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.",  # Claude Code
+    "component that summarizes a conversation",  # Qwen Code
+    "You are a context summarization assistant",  # OpenClaw
+)
+SUBAGENT_MARKERS = ("## Subagent Context", "subagent working for a parent agent", "cc_is_subagent=true")
+
+
+def detect_label(protocol: str, headers: Any, body: dict[str, Any], conv: Conversation, subagent_model: str) -> str:
+    """main / subagent / compaction from what each harness shows (README: 'Call labels')."""
+    explicit = headers.get("x-bridle-call-label", "")  # our white-box harness says it
+    if explicit in ("main", "subagent", "compaction"):
+        return explicit
+    if protocol == "responses":  # Codex
+        meta: Any = headers.get("x-codex-turn-metadata") or (body.get("client_metadata") or {}).get(
+            "x-codex-turn-metadata", "")
+        if isinstance(meta, str):
+            try:
+                meta = json.loads(meta) if meta else {}
+            except ValueError:
+                meta = {}
+        if isinstance(meta, dict):
+            if meta.get("request_kind") == "compaction":
+                return "compaction"
+            if meta.get("thread_source") == "subagent":
+                return "subagent"
+        if headers.get("x-openai-subagent"):
+            return "subagent"
+    if protocol == "anthropic" and (headers.get("x-claude-code-agent-id") or conv.model == subagent_model):
+        return "subagent"
+    system = " ".join(m.content[:4000] for m in conv.messages if m.role == "system")
+    if any(s in system for s in SUBAGENT_MARKERS):
+        return "subagent"
+    last_user = next((m.content for m in reversed(conv.messages) if m.role == "user"), "")
+    if any(last_user.lstrip().startswith(s) for s in COMPACTION_MARKERS[:1]):
+        return "compaction"
+    if not conv.tools and any(s in system for s in COMPACTION_MARKERS[1:]):
+        return "compaction"
+    return "main"
+
+
+def _token(request: web.Request) -> str:
+    key = request.headers.get("x-api-key", "")
+    if key:
+        return key.strip()
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return ""
+
+
+def _result_versions(res: GenerateResult, fallback: int) -> list[VersionSpan]:
+    try:
+        spans = res.spans()
+    except EngineError:
+        spans = []
+    return spans or [VersionSpan(0, fallback)]
+
+
+class Proxy:
+    """The HTTP side. ``emit`` receives CallStarted / ModelCall / CallFailed (the actor forwards them)."""
+
+    def __init__(self, engine: Engine, renderer: Renderer, emit: Emit, settings: ProxySettings | None = None):
+        self.engine = engine
+        self.renderer = renderer
+        self.emit = emit
+        self.settings = settings or ProxySettings()
+        self.rollouts: dict[str, RolloutState] = {}  # token -> state
+        self.by_id: dict[str, str] = {}  # rollout id -> token
+        self.policy_version = 0
+        self.log = get_logger(actor="proxy")
+        self._stdlog = logging.getLogger("bridle")  # what get_logger's records go through (level checks)
+        self._render_limiter: anyio.CapacityLimiter | None = None
+        self.runner: web.AppRunner | None = None
+        self.base_url = ""
+        self.unix_socket = ""
+        self.render_seconds = 0.0
+        self.sampling_defaults = SamplingParams()
+        self.scripted: ScriptedEngine | None = None
+
+    # --------------------------------------------------------------------------------- rollout registry
+    def register(self, req: RolloutRequest) -> None:
+        if req.script:
+            self._scripted().script.rollouts[req.rollout_id] = msgspec.convert(req.script, list[ScriptResponse])
+        self.rollouts[req.token] = RolloutState(req, Splicer(self.renderer))
+        self.by_id[req.rollout_id] = req.token
+
+    def _scripted(self) -> ScriptedEngine:
+        """The in-process engine that plays scripted rollouts (oracle demonstrations) next to the policy."""
+        if self.scripted is None:
+            self.scripted = ScriptedEngine(self.renderer, Script(), weight_version=self.policy_version)
+        return self.scripted
+
+    def engine_for(self, st: RolloutState) -> Engine:
+        return self._scripted() if st.request.script else self.engine
+
+    def open_rollout(self, rollout_id: str, sampling: SamplingParams | None = None) -> str:
+        """Register a rollout by hand (``--serve``, tests) and return its fresh token."""
+        token = "bridle-" + secrets.token_urlsafe(24)
+        self.register(RolloutRequest(
+            rollout_id=rollout_id, group_id=rollout_id, index=0, group_size=1, task_id="", harness="manual",
+            token=token, policy_version=self.policy_version, sampling=sampling or self.sampling_defaults,
+        ))
+        return token
+
+    def forget(self, rollout_id: str) -> list[tuple[Engine, str]]:
+        """Stop accepting the rollout's token; returns (engine, rid) of calls still in flight (to abort)."""
+        token = self.by_id.pop(rollout_id, None)
+        st = self.rollouts.pop(token, None) if token is not None else None
+        if self.scripted is not None:
+            self.scripted.script.rollouts.pop(rollout_id, None)
+        if st is None:
+            return []
+        return [(self.engine_for(st), f"{rollout_id}|{c}") for c in st.pending]
+
+    def pending(self, rollout_id: str) -> int:
+        token = self.by_id.get(rollout_id)
+        st = self.rollouts.get(token) if token else None
+        return len(st.pending) if st else 0
+
+    # ------------------------------------------------------------------------------------------- server
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_bytes)
+        for prefix in ("/v1", ""):
+            app.router.add_post(prefix + "/chat/completions", self._handler("chat"))
+            app.router.add_post(prefix + "/messages", self._handler("anthropic"))
+            app.router.add_post(prefix + "/messages/count_tokens", self.count_tokens)
+            app.router.add_post(prefix + "/responses", self._handler("responses"))
+            app.router.add_get(prefix + "/models", self.models)
+        app.router.add_route("HEAD", "/", self.head)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def start(self) -> str:
+        self._render_limiter = anyio.CapacityLimiter(max(1, self.settings.render_threads))
+        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.settings.host, self.settings.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.base_url = f"http://{self.settings.host}:{port}"
+        if self.settings.unix_socket:
+            Path(self.settings.unix_socket).unlink(missing_ok=True)
+            await web.UnixSite(self.runner, self.settings.unix_socket).start()
+            Path(self.settings.unix_socket).chmod(0o666)
+            self.unix_socket = self.settings.unix_socket
+        self.log.info("proxy listening", base_url=self.base_url, unix_socket=self.unix_socket or None)
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    async def head(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "rollouts": len(self.rollouts), "policy_version": self.policy_version})
+
+    async def models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        ids = [self.settings.model_name, self.settings.subagent_model]
+        return web.json_response({
+            "object": "list",
+            "data": [{"id": i, "object": "model", "created": now, "owned_by": "bridle", "type": "model",
+                      "display_name": i, "created_at": "1970-01-01T00:00:00Z"} for i in ids],
+            "has_more": False, "first_id": ids[0], "last_id": ids[-1],
+        })
+
+    # -------------------------------------------------------------------------------------- helpers
+    def _error(self, proto: Protocol, kind: ErrorKind, message: str) -> web.Response:
+        status, body = proto.error(kind, message)
+        headers = {"x-should-retry": "false"} if kind not in ("overloaded",) else {}
+        return web.json_response(body, status=status, headers=headers)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ProxyError("too_large", f"request body over {self.settings.max_body_bytes} bytes") from None
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            # orjson refuses some JSON that clients do send and json accepts (lone surrogate escapes from truncated
+            # tool output, integers over 64 bits); json also words the error for the client
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ProxyError("invalid_request", f"body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ProxyError("invalid_request", f"body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    def _auth(self, request: web.Request) -> RolloutState:
+        token = _token(request)
+        st = self.rollouts.get(token) if token else None
+        if st is None:
+            raise ProxyError("authentication",
+                             "missing or unknown rollout token (send it as x-api-key or Authorization: Bearer)")
+        return st
+
+    @staticmethod
+    def _convert(protocol: str, body: dict[str, Any]) -> Conversation:
+        try:
+            if protocol == "chat":
+                return from_chat(body)
+            if protocol == "anthropic":
+                return from_anthropic(body)
+            return from_responses(body)
+        except ConversionError as e:
+            raise ProxyError("invalid_request", str(e)) from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProxyError("invalid_request", f"malformed request: {type(e).__name__}: {e}") from None
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        proto = PROTOCOLS["anthropic"]
+        try:
+            self._auth(request)
+            body = await self._body(request)
+            body.setdefault("max_tokens", 1)
+            conv = self._convert("anthropic", body)
+            n = len(self.renderer.render_ids(conv))
+        except ProxyError as e:
+            return self._error(proto, e.kind, str(e))
+        return web.json_response({"input_tokens": int(n)})
+
+    def _handler(self, protocol: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self.handle_call(protocol, request)
+
+        return handle
+
+    # ------------------------------------------------------------------------------------------- a call
+    async def handle_call(self, protocol: str, request: web.Request) -> web.StreamResponse:
+        proto = PROTOCOLS[protocol]
+        received = time.time()
+        try:
+            st = self._auth(request)
+            body = await self._body(request)
+            conv = self._convert(protocol, body)
+        except ProxyError as e:
+            return self._error(proto, e.kind, str(e))
+        req = st.request
+        label = detect_label(protocol, request.headers, body, conv, self.settings.subagent_model)
+        call_id = os.urandom(8).hex()
+        seq = st.seq
+        st.seq += 1
+        # bound only when something is logged: binding costs more per call than the logging a call usually does
+        ctx = {"rollout": req.rollout_id, "call": call_id, "seq": seq, "protocol": protocol, "label": label}
+
+        try:
+            rendered, render_s = await self._render(st, conv)
+        except Exception as e:  # noqa: BLE001 — a conversation the template cannot render is the request's fault
+            self.log.bind(**ctx).warning("render failed", error=repr(e))
+            return self._error(proto, "invalid_request", f"cannot render this conversation: {e}")
+        self.render_seconds += render_s
+        input_ids = rendered.ids
+        n_in = int(input_ids.shape[0])
+        room = self.settings.context_len - n_in
+        if room <= 0:
+            return self._error(proto, "context_length",
+                               f"prompt is {n_in} tokens; the context length is {self.settings.context_len}")
+        sp = req.sampling
+        asked = conv.sampling.max_tokens
+        sampling = Sampling(
+            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+            max_new_tokens=max(1, min(sp.max_new_tokens, room, asked if asked else sp.max_new_tokens)),
+            stop_token_ids=tuple(st.splicer.stop_ids),
+            seed=None if sp.seed is None else sp.seed + seq,
+        )
+
+        st.pending.add(call_id)
+        await self.emit(CallStarted(rollout_id=req.rollout_id, call_id=call_id, seq=seq, t=received))
+        try:
+            return await self._generate_and_answer(
+                request, proto, conv, st, call_id, seq, label, input_ids, sampling, rendered, render_s, received, ctx,
+                include_usage=_include_usage(body),
+            )
+        finally:
+            st.pending.discard(call_id)
+
+    async def _render(self, st: RolloutState, conv: Conversation) -> tuple[RenderResult, float]:
+        """Splicer.render, tokenizing in a worker thread when there is much new text; (result, seconds)."""
+        async with st.render_lock:
+            t0 = time.perf_counter()
+            plan = st.splicer.plan(conv)
+            if (self._render_limiter is None or not 0 < self.settings.render_thread_chars <= plan.chars
+                    or not self.renderer.thread_safe):
+                return st.splicer.tokenize(plan), time.perf_counter() - t0
+            plan_s = time.perf_counter() - t0
+            rendered, tokenize_s = await anyio.to_thread.run_sync(_timed_tokenize, st.splicer, plan,
+                                                                  limiter=self._render_limiter)
+            return rendered, plan_s + tokenize_s
+
+    async def _generate_and_answer(
+        self, request: web.Request, proto: Protocol, conv: Conversation, st: RolloutState, call_id: str, seq: int,
+        label: str, input_ids: Any, sampling: Sampling, rendered: RenderResult, render_s: float, received: float,
+        ctx: dict[str, Any], include_usage: bool,
+    ) -> web.StreamResponse:
+        req = st.request
+        engine = self.engine_for(st)
+        rid = f"{req.rollout_id}|{call_id}"
+        model = conv.model or self.settings.model_name
+        stream = bool(conv.sampling.stream)
+        n_in = int(input_ids.shape[0])
+        resp: web.StreamResponse | None = None  # a stream whose head was sent while the engine worked
+        sstate = proto.new_state(model, n_in, include_usage=include_usage)
+
+        async def fail(reason: str) -> None:
+            await self.emit(CallFailed(rollout_id=req.rollout_id, call_id=call_id, seq=seq, reason=reason,
+                                       t=time.time()))
+
+        engine_start = time.time()
+        # The engine call runs as a plain asyncio task (aiohttp handlers always run on asyncio): most calls finish
+        # within the first watch tick, and a task group + event + cancel scope per call cost more than the rest of
+        # the waiting. Streams send their head only when the engine has not answered within stream_head_s, so a
+        # quick answer goes out as one write (head, events and end together).
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(_run_engine(engine, input_ids, sampling, rid))
+        disconnected = False
+        try:
+            # While the engine works: watch the connection every tick (a dropped client aborts the engine request)
+            # and send a protocol keep-alive every keepalive_s on streams; a stream's first wait is stream_head_s.
+            keepalive_s = self.settings.keepalive_s
+            tick = min(0.5, keepalive_s)
+            next_keepalive = loop.time() + keepalive_s
+            wait_s = self.settings.stream_head_s if stream else tick
+            while not task.done():
+                if wait_s > 0:
+                    await asyncio.wait((task,), timeout=wait_s)
+                    if task.done():
+                        break
+                wait_s = tick
+                gone = request.transport is None or request.transport.is_closing()
+                if not gone and stream:
+                    try:
+                        if resp is None:
+                            resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+                            await resp.prepare(request)
+                            await resp.write(proto.stream_open(sstate))
+                        if loop.time() >= next_keepalive:
+                            next_keepalive = loop.time() + keepalive_s
+                            await resp.write(proto.keepalive(sstate))
+                    except (ConnectionError, RuntimeError):
+                        gone = True
+                if gone:
+                    disconnected = True
+                    with anyio.move_on_after(10):
+                        await engine.abort(rid)
+                    break
+        finally:
+            if not task.done():  # the client left, or this handler was cancelled (server shutdown)
+                task.cancel()
+                await asyncio.wait((task,))
+        engine_end = time.time()
+        # a stream whose head was not sent yet gets it in the same write as the rest (built first: Responses numbers
+        # its events in order)
+        head = proto.stream_open(sstate) if stream and resp is None and not disconnected else b""
+
+        if disconnected:
+            if not task.cancelled():
+                task.exception()  # retrieved: whatever the engine said no longer matters
+            self.log.bind(**ctx).info("client disconnected; engine request aborted")
+            await fail("client disconnected")
+            return resp if resp is not None else web.Response(status=499)
+        result, error = task.result()
+        if error is not None:
+            kind, msg = error
+            self.log.bind(**ctx).warning("engine error", error=msg)
+            await fail(msg)
+            if stream:
+                return await self._finish_stream(request, resp, head, proto.stream_error(sstate, kind, msg))
+            return self._error(proto, kind, msg)
+        assert result is not None
+        if result.finish_reason == "abort":
+            await fail("engine aborted the request")
+            if stream:
+                return await self._finish_stream(request, resp, head,
+                                                 proto.stream_error(sstate, "server", "generation aborted"))
+            return self._error(proto, "server", "generation aborted")
+
+        out_ids = result.output_ids
+        parsed = self.renderer.parse(out_ids)
+        st.splicer.record(parsed, out_ids)
+        finish = "length" if result.finish_reason == "length" else ("tool_calls" if parsed.tool_calls else "stop")
+        reply = Reply(parsed=parsed, finish=finish, input_tokens=n_in, output_tokens=len(out_ids), model=model,
+                      conv=conv)
+        if stream:
+            try:
+                answer = await self._finish_stream(request, resp, head, proto.stream_rest(sstate, reply),
+                                                   strict=True)
+            except (ConnectionError, RuntimeError):
+                # The harness never saw this answer, so it is no part of its trajectory: not a trainable call.
+                self.log.bind(**ctx).info("client disconnected before the answer was delivered")
+                await fail("client disconnected before the answer was delivered")
+                st.calls += 1
+                return resp if resp is not None else web.Response(status=499)
+        else:
+            answer = web.Response(body=orjson.dumps(proto.response(reply)), content_type="application/json")
+        await self.emit(ModelCall(
+            rollout_id=req.rollout_id, call_id=call_id, seq=seq, protocol=proto.name,  # type: ignore[arg-type]
+            label=label,  # type: ignore[arg-type]
+            input_ids=pack_i32(input_ids), output_ids=pack_i32(out_ids), logprobs=pack_f32(result.logprobs),
+            versions=_result_versions(result, self.policy_version), finish_reason=finish,
+            spliced_turns=len(rendered.spliced_turns), rendered_turns=len(rendered.rendered_turns), model=model,
+            timings=CallTimings(received=received, engine_start=engine_start, engine_end=engine_end,
+                                sent=time.time(), render_s=render_s),
+        ))
+        st.calls += 1
+        if self._stdlog.isEnabledFor(logging.DEBUG):
+            self.log.bind(**ctx).debug("call done", input_tokens=n_in, output_tokens=len(out_ids), finish=finish,
+                                       spliced=len(rendered.spliced_turns), rendered=len(rendered.rendered_turns))
+        return answer
+
+    @staticmethod
+    async def _finish_stream(request: web.Request, resp: web.StreamResponse | None, head: bytes, rest: bytes, *,
+                             strict: bool = False) -> web.StreamResponse:
+        """Send the rest of a stream and end it, in one write: with the status line and head when the head was
+        not sent yet (then as a body with a length instead of chunks: the same bytes to SSE clients).
+
+        ``strict`` lets a write failure (the client left) raise; otherwise it is ignored, since there is nothing
+        left to tell that client."""
+        try:
+            if resp is None:
+                resp = web.Response(status=200, headers=_SSE_HEADERS, body=head + rest)
+                await resp.prepare(request)  # a Response holds its headers back until the body is written
+                await resp.write_eof()
+            else:
+                await resp.write_eof(rest)
+        except (ConnectionError, RuntimeError):
+            if strict:
+                raise
+        return resp
+
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+def _timed_tokenize(splicer: Splicer, plan: RenderPlan) -> tuple[RenderResult, float]:
+    t0 = time.perf_counter()
+    rendered = splicer.tokenize(plan)
+    return rendered, time.perf_counter() - t0
+
+
+async def _run_engine(
+    engine: Engine, input_ids: Any, sampling: Sampling, rid: str
+) -> tuple[GenerateResult | None, tuple[ErrorKind, str] | None]:
+    """(result, None), or (None, (error kind, message)) for an engine failure the client is told about."""
+    try:
+        return await engine.generate(input_ids, sampling, rid=rid), None
+    except EngineBadRequest as e:
+        msg = str(e)
+        return None, ("context_length" if "context" in msg.lower() or "longer" in msg.lower()
+                      else "invalid_request", msg)
+    except EngineError as e:
+        return None, ("server", f"engine failed: {e}")
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    so = body.get("stream_options")
+    return isinstance(so, dict) and bool(so.get("include_usage"))

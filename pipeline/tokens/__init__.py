@@ -1,0 +1,1 @@
+"""The token layer: tokenizers, chat templates, conversations, tool-call parsing, splicing."""

@@ -1,0 +1,1 @@
+"""The learner: advantages, losses, tree attention, GRPO/PPO and SFT steps."""

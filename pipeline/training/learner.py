@@ -1,0 +1,649 @@
+"""The learner's compute: one optimization step over a batch of TreeGroups, SFT, weight saving, checkpoints.
+
+Synchronous by design — the learner actor runs these methods in a worker thread so the event loop stays free.
+Accelerate owns device placement, mixed precision and (under ``accelerate launch``) the gradient all-reduce.
+
+One ``train_step``:
+1. unpack and validate each group's PackedTree; per rollout slot, the GRPO advantage (or, for PPO, the reward as
+   the return); rollouts whose status is not in ``train_statuses`` are left out of statistics and loss;
+2. split the groups into ``minibatches``; inside each, pack whole trees end to end into micro-batches of at most
+   ``micro_batch_tokens`` tokens (a larger tree goes alone);
+3. log pi_old: with a single update per batch (``epochs == minibatches == 1``) pi_old *is* the current policy, so
+   its log-probs are the detached values of the same forward pass; otherwise a no-grad pass computes them first;
+4. per trainable token: TIS weight min(pi_old / pi_rollout, tis_cap), clipped surrogate with asymmetric
+   clipping, optional k3 KL to the initial policy and entropy bonus, PPO value loss; aggregated by ``loss_agg``:
+   ``token_mean`` divides the sum by the number of trainable tokens of the minibatch (shared prefixes counted once
+   by construction); ``seq_mean_token_mean`` averages each rollout's tokens first, then the rollouts, so every
+   rollout weighs the same whatever its length (GRPO's original form; SFT is always a token mean);
+5. clip the gradient norm, AdamW step, LR schedule step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import nn
+
+from pipeline.core.logs import get_logger
+from pipeline.messages import TreeGroup
+from pipeline.training import advantages as adv
+from pipeline.training import losses
+from pipeline.training import tree_attention as ta
+
+
+def _log() -> Any:
+    # Bound per call: a logger bound at import would keep structlog's defaults from before configure() ran.
+    return get_logger(actor="learner")
+
+
+STATE_FILE = "learner_state.json"
+WEIGHTS_INFO_FILE = "bridle_weights.json"
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # optimizer and schedule
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0  # optimizer steps of linear warm-up
+    total_steps: int = 0  # optimizer steps the linear/cosine decay spans; required for those schedules
+    min_lr_ratio: float = 0.0
+    # objective
+    advantage: Literal["grpo", "ppo"] = "grpo"
+    grpo_eps: float = 1e-6
+    grpo_scale_by_std: bool = True
+    train_statuses: list[str] = msgspec.field(default_factory=lambda: list(adv.DEFAULT_TRAIN_STATUSES))
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float = 2.0  # c_bar of token-level truncated importance sampling
+    kl_coef: float = 0.0  # k3 KL to the initial policy; a frozen copy is kept only when > 0
+    entropy_coef: float = 0.0
+    value_coef: float = 0.5  # PPO only
+    value_clip: float | None = 0.2
+    value_warmup_steps: int = 0  # PPO: first train_steps fit only the value head; the policy does not move
+    value_trunk_grad: bool = False  # let the value loss reach the shared transformer (off: head only)
+    temperature: float = 1.0  # the sampling temperature pi_rollout's logprobs were taken at
+    epochs: int = 1
+    minibatches: int = 1
+    # token_mean: every trainable token weighs the same, so long rollouts weigh more. seq_mean_token_mean: every
+    # rollout weighs the same; with many long failing samples (a small policy's garbage runs to max_new_tokens)
+    # token_mean tilts each step towards pushing logits down, which lifts every other token and can end in a
+    # uniform policy — the per-rollout mean keeps a group's advantages summing to zero.
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    # compute
+    micro_batch_tokens: int = 16384
+    logits_chunk: int = 4096  # rows of (rows x vocab) logits materialized at once
+    # auto: flex on CUDA, dense otherwise. flex runs forward-only on CPU (inductor; torch has no CPU backward);
+    # reference runs every root-to-leaf path as its own sequence and is for tests.
+    attention: Literal["auto", "flex", "dense", "reference"] = "auto"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, no otherwise
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    initial_version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.schedule != "constant" and self.total_steps <= 0:
+            raise ValueError(f"LearnerConfig.total_steps must be > 0 for schedule={self.schedule!r}")
+        if self.epochs < 1 or self.minibatches < 1:
+            raise ValueError("LearnerConfig.epochs and LearnerConfig.minibatches must be >= 1")
+        if self.micro_batch_tokens < 1:
+            raise ValueError("LearnerConfig.micro_batch_tokens must be >= 1")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError("LearnerConfig.clip_low must be in [0, 1) and clip_high >= 0")
+        if self.tis_cap <= 0:
+            raise ValueError("LearnerConfig.tis_cap must be > 0")
+
+
+class PolicyValue(nn.Module):
+    """The causal LM plus a zero-initialized linear value head on its final hidden states.
+
+    ``forward`` returns, for selected rows of hidden states, the log-prob of a target token, the entropy and the
+    value — so that everything goes through one module call (which DDP needs to see for its gradient hooks).
+    """
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+        hidden = policy.config.get_text_config().hidden_size
+        self.value_head = nn.Linear(hidden, 1, dtype=torch.float32)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: Any,
+        rows: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        logits_chunk: int = 4096,
+        values: Literal["none", "detached", "attached"] = "none",
+    ) -> dict[str, torch.Tensor]:
+        out = self.policy.base_model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        )
+        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[rows]
+        logp, ent = losses.logprobs_and_entropy(
+            hidden, self.policy.get_output_embeddings(), targets, temperature, logits_chunk
+        )
+        res = {"logp": logp, "entropy": ent}
+        if values != "none":
+            h = hidden.detach() if values == "detached" else hidden
+            res["value"] = self.value_head(h.float()).squeeze(-1)
+        return res
+
+
+@dataclass
+class _Tree:
+    """One group's tree with its per-target arrays (targets: trainable tokens of valid rollouts)."""
+
+    arrays: ta.TreeArrays
+    targets: np.ndarray  # indices into the tree
+    score: np.ndarray  # per target: GRPO advantage, or the reward (the PPO return)
+    weight: np.ndarray  # per target: its share in the loss aggregation (1 for a token mean)
+    logp_rollout: np.ndarray
+    n_rollouts: int
+    reward_mean: float
+
+
+@dataclass
+class _Micro:
+    forest: ta.TreeArrays
+    targets: np.ndarray
+    score: np.ndarray
+    weight: np.ndarray
+    logp_rollout: np.ndarray
+    old: dict[str, torch.Tensor] = field(default_factory=dict)  # logp / value under pi_old, logp under pi_ref
+
+
+class Learner:
+    """Owns the model, optimizer and schedule. See the module docstring for what one step does."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | nn.Module,
+        config: LearnerConfig | None = None,
+        accelerator: Accelerator | None = None,
+    ):
+        self.config = cfg = config or LearnerConfig()
+        if accelerator is None:
+            mp = cfg.mixed_precision
+            if mp == "auto":
+                mp = "bf16" if torch.cuda.is_available() else "no"
+            accelerator = Accelerator(mixed_precision=mp)
+        self.accelerator = acc = accelerator
+        set_seed(cfg.seed)
+        self.attention = cfg.attention
+        if self.attention == "auto":
+            self.attention = "flex" if acc.device.type == "cuda" else "dense"
+        impl = "flex_attention" if self.attention == "flex" else "sdpa"
+        dtype = torch.float32 if cfg.param_dtype == "float32" else torch.bfloat16
+
+        self.model_path: Path | None = None
+        if isinstance(model, nn.Module):
+            policy = model
+        else:
+            from transformers import AutoModelForCausalLM
+
+            self.model_path = Path(model)
+            if not self.model_path.exists():
+                raise FileNotFoundError(f"Learner model path {self.model_path} does not exist")
+            policy = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        policy.to(dtype)
+        policy.set_attn_implementation(impl)
+        if cfg.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.train()
+
+        self.reference: nn.Module | None = None
+        if cfg.kl_coef > 0:
+            self.reference = copy.deepcopy(policy).eval().requires_grad_(False).to(acc.device)
+
+        net = PolicyValue(policy)
+        optimizer = torch.optim.AdamW(
+            net.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
+        self.net, self.optimizer = acc.prepare(net, optimizer)
+        # Not prepared: an AcceleratedScheduler steps once per process; ours counts optimizer steps.
+        acc.register_for_checkpointing(self.scheduler)
+        self.step = 0
+        self.version = cfg.initial_version
+
+    # ----------------------------------------------------------------------------------------- public API
+    def train_step(self, groups: list[TreeGroup]) -> dict[str, float]:
+        """One RL step over a batch of groups; returns metrics. Bumps ``version`` unless in value pre-training."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        if not groups:
+            raise ValueError("Learner.train_step needs at least one TreeGroup")
+        value_phase = cfg.advantage == "ppo" and self.step < cfg.value_warmup_steps
+        trees = [self._prepare(g, i) for i, g in enumerate(groups)]
+        splits = [list(s) for s in np.array_split(np.arange(len(trees)), min(cfg.minibatches, len(trees)))]
+        micros = [self._micro_batches([trees[i] for i in s]) for s in splits]
+        single_update = cfg.epochs * len(splits) == 1
+        for mbs in micros:
+            self._fill_old(mbs, need_logp=not single_update)
+        sums: dict[str, float] = {}
+        grad_norms = []
+        for _ in range(cfg.epochs):
+            for mbs in micros:
+                _merge(sums, self._accumulate(mbs, value_phase=value_phase))
+                grad_norms.append(self._optimizer_step())
+        self.step += 1
+        if not value_phase:
+            self.version += 1
+        metrics = self._finish_metrics(sums, grad_norms, t0)
+        metrics["trainable_tokens"] = float(sum(len(t.targets) for t in trees))
+        metrics["reward_mean"] = float(np.mean([t.reward_mean for t in trees])) if trees else 0.0
+        metrics["value_phase"] = float(value_phase)
+        _log().info("train_step", **{k: round(v, 6) for k, v in metrics.items()})
+        return metrics
+
+    def sft_step(self, groups: list[TreeGroup]) -> dict[str, float]:
+        """Cold-start SFT: token-mean negative log-likelihood of every trainable token; no advantages."""
+        if not groups:
+            raise ValueError("Learner.sft_step needs at least one TreeGroup")
+        t0 = time.perf_counter()
+        trees = [self._prepare(g, i, sft=True) for i, g in enumerate(groups)]
+        sums = self._accumulate(self._micro_batches(trees), sft=True)
+        grad_norm = self._optimizer_step()
+        self.step += 1
+        self.version += 1
+        metrics = self._finish_metrics(sums, [grad_norm], t0)
+        _log().info("sft_step", **{k: round(v, 6) for k, v in metrics.items()})
+        return metrics
+
+    def loss_and_grads(self, groups: list[TreeGroup], sft: bool = False) -> dict[str, float]:
+        """Forward and backward of one single-update step without the optimizer step (gradients stay in .grad)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        trees = [self._prepare(g, i, sft=sft) for i, g in enumerate(groups)]
+        mbs = self._micro_batches(trees)
+        if not sft:
+            self._fill_old(mbs, need_logp=False)
+        value_phase = self.config.advantage == "ppo" and self.step < self.config.value_warmup_steps
+        return self._accumulate(mbs, value_phase=value_phase, sft=sft)
+
+    def save_weights(self, directory: str | os.PathLike[str], version: int | None = None) -> Path:
+        """Write the policy as a Hugging Face folder (config.json + model.safetensors), loadable with
+        ``from_pretrained`` and by the serving engine. Written to a temporary sibling and renamed into place, so a
+        reader never sees a half-written folder. Tokenizer files are copied along when the model came from a path.
+        """
+        acc = self.accelerator
+        version = self.version if version is None else version
+        out = Path(directory)
+        state = acc.get_state_dict(self.net)  # gathers shards under FSDP/DeepSpeed
+        if acc.is_main_process:
+            policy_state = {k[len("policy.") :]: v for k, v in state.items() if k.startswith("policy.")}
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._policy().save_pretrained(tmp, state_dict=policy_state, safe_serialization=True)
+            if self.model_path is not None:
+                for name in _TOKENIZER_FILES:
+                    if (self.model_path / name).is_file():
+                        shutil.copy2(self.model_path / name, tmp / name)
+            (tmp / WEIGHTS_INFO_FILE).write_text(json.dumps({"version": version, "step": self.step}))
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+            _log().info("weights_saved", path=str(out), version=version, step=self.step)
+        acc.wait_for_everyone()
+        return out
+
+    def save_checkpoint(self, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
+        """Model (with value head), optimizer, scheduler, RNG states, step, version and ``extra`` — an opaque
+        JSON-able dict for the caller (the event-log offset to resume reading from)."""
+        out = Path(directory)
+        self.accelerator.save_state(str(out))
+        if self.accelerator.is_main_process:
+            state = {"step": self.step, "version": self.version, "extra": extra or {}}
+            (out / STATE_FILE).write_text(json.dumps(state))
+        self.accelerator.wait_for_everyone()
+        _log().info("checkpoint_saved", path=str(out), step=self.step, version=self.version)
+        return out
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore everything :meth:`save_checkpoint` wrote; returns its ``extra``."""
+        src = Path(directory)
+        if not (src / STATE_FILE).is_file():
+            raise FileNotFoundError(f"{src / STATE_FILE} not found: {src} is not a learner checkpoint")
+        self.accelerator.load_state(str(src))
+        state = json.loads((src / STATE_FILE).read_text())
+        self.step, self.version = int(state["step"]), int(state["version"])
+        _log().info("checkpoint_loaded", path=str(src), step=self.step, version=self.version)
+        return dict(state["extra"])
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _policy(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.net).policy
+
+    def _lr_factor(self, opt_step: int) -> float:
+        cfg = self.config
+        if opt_step < cfg.warmup_steps:
+            return (opt_step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        span = max(1, cfg.total_steps - cfg.warmup_steps)
+        frac = min(1.0, (opt_step - cfg.warmup_steps) / span)
+        decay = 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+    def _prepare(self, group: TreeGroup, index: int, sft: bool = False) -> _Tree:
+        cfg = self.config
+        arrays = ta.unpack(group.packed, where=f"TreeGroup[{index}]({group.group_id}).packed")
+        if arrays.rollout.max(initial=-1) >= len(group.rollouts):
+            raise ValueError(
+                f"TreeGroup[{index}]({group.group_id}): packed.rollout refers to slot "
+                f"{int(arrays.rollout.max())} but rollouts has {len(group.rollouts)} entries"
+            )
+        rewards = np.array([r.reward for r in group.rollouts], dtype=np.float64)
+        if sft:
+            targets = np.flatnonzero(arrays.trainable)
+            score = np.zeros(targets.shape[0])
+        else:
+            valid = adv.rollout_valid(group.rollouts, cfg.train_statuses)
+            targets = np.flatnonzero(arrays.trainable & adv.per_token(valid, arrays.rollout))
+            slot = (
+                adv.grpo_advantages(rewards, valid, cfg.grpo_eps, cfg.grpo_scale_by_std)
+                if cfg.advantage == "grpo"
+                else rewards
+            )
+            score = adv.per_token(slot, arrays.rollout)[targets]
+        weight = np.ones(targets.shape[0], dtype=np.float32)
+        if not sft and cfg.loss_agg == "seq_mean_token_mean" and targets.size:
+            slots = arrays.rollout[targets]
+            weight = (1.0 / np.bincount(slots)[slots]).astype(np.float32)
+        return _Tree(
+            arrays=arrays,
+            targets=targets,
+            score=score.astype(np.float32),
+            weight=weight,
+            logp_rollout=arrays.logprobs[targets],
+            n_rollouts=len(group.rollouts),
+            reward_mean=float(rewards.mean()) if rewards.size else 0.0,
+        )
+
+    def _micro_batches(self, trees: list[_Tree]) -> list[_Micro]:
+        """Greedy packing of root subtrees (a group's tree is usually one root; compaction segments and per-sample
+        layouts add more) into micro-batches of at most ``micro_batch_tokens``; a larger subtree goes alone."""
+        budget = self.config.micro_batch_tokens
+        bins: list[list[tuple[_Tree, int, int]]] = []
+        used = 0
+        for t in trees:
+            for start, end in ta.root_ranges(t.arrays):
+                if bins and used + (end - start) <= budget:
+                    bins[-1].append((t, start, end))
+                    used += end - start
+                else:
+                    bins.append([(t, start, end)])
+                    used = end - start
+        micros = []
+        for b in bins:
+            forest, offsets = ta.concat([ta.slice_tree(t.arrays, s, e) for t, s, e in b])
+            keep = [(t.targets >= s) & (t.targets < e) for t, s, e in b]
+            micros.append(
+                _Micro(
+                    forest=forest,
+                    targets=np.concatenate(
+                        [t.targets[k] - s + off for (t, s, _), k, off in zip(b, keep, offsets)]
+                    ),
+                    score=np.concatenate([t.score[k] for (t, _, _), k in zip(b, keep)]),
+                    weight=np.concatenate([t.weight[k] for (t, _, _), k in zip(b, keep)]),
+                    logp_rollout=np.concatenate([t.logp_rollout[k] for (t, _, _), k in zip(b, keep)]),
+                )
+            )
+        return micros
+
+    def _inputs(self, forest: ta.TreeArrays, targets: np.ndarray) -> dict[str, Any]:
+        """Model inputs for one micro-batch in the configured attention layout."""
+        dev = self.accelerator.device
+        tgt_tokens = torch.as_tensor(forest.tokens[targets], device=dev)
+        if self.attention == "reference":
+            return self._reference_inputs(forest, targets, tgt_tokens)
+        if self.attention == "flex":
+            forest = ta.pad_to(forest, ta.FLEX_BLOCK)
+        se = torch.as_tensor(forest.subtree_end, device=dev)
+        if self.attention == "flex":
+            attn = ta.flex_block_mask(se)
+        else:
+            attn = ta.dense_mask(se)
+        return {
+            "input_ids": torch.as_tensor(forest.tokens, device=dev)[None],
+            "position_ids": torch.as_tensor(forest.positions, device=dev)[None],
+            "attention_mask": attn,
+            "rows": torch.as_tensor(forest.pred[targets], device=dev),
+            "targets": tgt_tokens,
+        }
+
+    def _reference_inputs(self, forest: ta.TreeArrays, targets: np.ndarray, tgt_tokens: torch.Tensor) -> dict:
+        """Every root-to-leaf path as its own causal row; each target read from the first path that holds it."""
+        paths = ta.expand_paths(forest)
+        width = max(len(p) for p in paths)
+        tokens = np.zeros((len(paths), width), np.int64)
+        positions = np.zeros((len(paths), width), np.int64)
+        row_of = np.full(len(forest), -1, np.int64)
+        for b, p in enumerate(paths):
+            tokens[b, : len(p)] = forest.tokens[p]
+            positions[b, : len(p)] = np.arange(len(p))
+            first = row_of[p[1:]] < 0
+            # Token p[k] is predicted from the hidden state at row position k - 1 of this path.
+            row_of[p[1:][first]] = b * width + np.arange(len(p) - 1)[first]
+        dev = self.accelerator.device
+        return {
+            "input_ids": torch.as_tensor(tokens, device=dev),
+            "position_ids": torch.as_tensor(positions, device=dev),
+            "attention_mask": None,
+            "rows": torch.as_tensor(row_of[targets], device=dev),
+            "targets": tgt_tokens,
+        }
+
+    def _forward(
+        self, mb: _Micro, values: Literal["none", "detached", "attached"]
+    ) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        return self.net(
+            **self._inputs(mb.forest, mb.targets),
+            temperature=cfg.temperature,
+            logits_chunk=cfg.logits_chunk,
+            values=values,
+        )
+
+    @torch.no_grad()
+    def _fill_old(self, mbs: list[_Micro], need_logp: bool) -> None:
+        """pi_old log-probs and values (when more than one update uses this batch) and pi_ref log-probs."""
+        ppo = self.config.advantage == "ppo"
+        for mb in mbs:
+            mb.old = {}
+            if need_logp:
+                out = self._forward(mb, values="detached" if ppo else "none")
+                mb.old["logp"] = out["logp"].float()
+                if ppo:
+                    mb.old["value"] = out["value"].float()
+            if self.reference is not None:
+                inputs = self._inputs(mb.forest, mb.targets)
+                with self.accelerator.autocast():
+                    h = self.reference.base_model(
+                        input_ids=inputs["input_ids"],
+                        position_ids=inputs["position_ids"],
+                        attention_mask=inputs["attention_mask"],
+                        use_cache=False,
+                    ).last_hidden_state
+                    h = h.reshape(-1, h.shape[-1])[inputs["rows"]]
+                    lp, _ = losses.logprobs_and_entropy(
+                        h,
+                        self.reference.get_output_embeddings(),
+                        inputs["targets"],
+                        self.config.temperature,
+                        self.config.logits_chunk,
+                        with_entropy=False,
+                    )
+                mb.old["ref"] = lp.float()
+
+    def _accumulate(
+        self, mbs: list[_Micro], value_phase: bool = False, sft: bool = False
+    ) -> dict[str, float]:
+        """Forward + backward over the micro-batches of one update; the loss is a weighted mean over all of them
+        (weights from ``loss_agg``: 1 per token for a token mean)."""
+        cfg, acc = self.config, self.accelerator
+        ppo = cfg.advantage == "ppo" and not sft
+        dev = acc.device
+        local = sum(len(mb.targets) for mb in mbs)
+        local_weight = float(sum(mb.weight.sum(dtype=np.float64) for mb in mbs))
+        # DDP averages gradients over processes; scaling by processes / global weight keeps a global mean.
+        total = acc.reduce(torch.tensor(local_weight, device=dev), reduction="sum").item()
+        scale = acc.num_processes / max(total, 1.0)
+        value_mode = (
+            "none" if not ppo else ("attached" if cfg.value_trunk_grad and not value_phase else "detached")
+        )
+        sums: dict[str, float] = {"tokens": 0.0, "trainable_tokens": float(local), "loss": 0.0}
+        for k, mb in enumerate(mbs):
+            sync = contextlib.nullcontext() if k == len(mbs) - 1 else acc.no_sync(self.net)
+            with sync:
+                out = self._forward(mb, values=value_mode)
+                logp = out["logp"]
+                parts = self._loss_parts(mb, out, logp, ppo=ppo, value_phase=value_phase, sft=sft)
+                loss = parts.pop("loss_sum") * scale
+                if loss.requires_grad:  # false only for a micro-batch without a single trainable token
+                    acc.backward(loss)
+            sums["tokens"] += len(mb.forest)
+            sums["loss"] += float(loss.detach()) / scale / max(local_weight, 1e-12)
+            _merge(sums, parts)
+        return sums
+
+    def _loss_parts(
+        self,
+        mb: _Micro,
+        out: dict[str, torch.Tensor],
+        logp: torch.Tensor,
+        ppo: bool,
+        value_phase: bool,
+        sft: bool,
+    ) -> dict[str, Any]:
+        """The summed loss of one micro-batch and metric sums; see the module docstring for the terms."""
+        cfg = self.config
+        dev = logp.device
+        logp = logp.float()
+        ent = out["entropy"].float()
+        parts: dict[str, Any] = {"entropy_sum": ent.detach().sum().item()}
+        if sft:
+            nll = -logp
+            parts["loss_sum"] = nll.sum()
+            parts["sft_nll_sum"] = nll.detach().sum().item()
+            return parts
+        score = torch.as_tensor(mb.score, device=dev)
+        weight = torch.as_tensor(mb.weight, device=dev)
+        logp_old = mb.old["logp"] if "logp" in mb.old else logp.detach()
+        total = torch.zeros((), device=dev)
+        if ppo:
+            values = out["value"].float()
+            values_old = mb.old["value"] if "value" in mb.old else values.detach()
+            vloss, vclipped = losses.value_loss(values, values_old, score, cfg.value_clip)
+            total = total + cfg.value_coef * (weight * vloss).sum()
+            parts["value_loss_sum"] = vloss.detach().sum().item()
+            parts["value_clip_sum"] = vclipped.sum().item()
+            parts["value_sum"] = values_old.sum().item()
+        if not value_phase:
+            advantage = adv.ppo_advantages(score, values_old) if ppo else score
+            logp_rollout = torch.as_tensor(mb.logp_rollout, device=dev)
+            tis = losses.tis_weight(logp_old, logp_rollout, cfg.tis_cap)
+            pt = losses.policy_loss(logp, logp_old, advantage, tis, cfg.clip_low, cfg.clip_high)
+            per_token = pt.loss
+            raw_ratio = torch.exp(logp_old - logp_rollout)
+            parts["pg_loss_sum"] = pt.loss.detach().sum().item()
+            parts["clip_sum"] = pt.clipped.sum().item()
+            parts["is_ratio_sum"] = raw_ratio.sum().item()
+            if raw_ratio.numel():
+                parts["is_ratio_max"] = raw_ratio.max().item()
+                parts["is_ratio_min"] = raw_ratio.min().item()
+            parts["is_capped_sum"] = (raw_ratio > cfg.tis_cap).sum().item()
+            parts["advantage_sum"] = advantage.detach().sum().item()
+            if "ref" in mb.old:
+                kl = losses.kl_k3(logp, mb.old["ref"])
+                per_token = per_token + cfg.kl_coef * kl
+                parts["kl_sum"] = kl.detach().sum().item()
+            if cfg.entropy_coef:
+                per_token = per_token - cfg.entropy_coef * ent
+            total = total + (weight * per_token).sum()
+        parts["loss_sum"] = total
+        return parts
+
+    def _optimizer_step(self) -> float:
+        acc = self.accelerator
+        grad_norm = acc.clip_grad_norm_(self.net.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def _finish_metrics(self, sums: dict[str, float], grad_norms: list[float], t0: float) -> dict[str, float]:
+        elapsed = time.perf_counter() - t0
+        n = max(sums.get("trainable_tokens", 0.0), 1.0)
+        m: dict[str, float] = {
+            "step": float(self.step),
+            "version": float(self.version),
+            "lr": float(self.scheduler.get_last_lr()[0]),
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+            "tokens": sums.get("tokens", 0.0),
+            "trainable_tokens": sums.get("trainable_tokens", 0.0),
+            "tokens_per_s": sums.get("tokens", 0.0) / elapsed if elapsed > 0 else 0.0,
+            "step_s": elapsed,
+            "entropy": sums.get("entropy_sum", 0.0) / n,
+            "loss": sums.get("loss", 0.0) / max(len(grad_norms), 1),  # mean over the optimizer steps
+        }
+        for key, name in (
+            ("sft_nll_sum", "sft_loss"),
+            ("pg_loss_sum", "pg_loss"),
+            ("value_loss_sum", "value_loss"),
+            ("value_clip_sum", "value_clip_frac"),
+            ("value_sum", "value_mean"),
+            ("clip_sum", "clip_frac"),
+            ("is_ratio_sum", "is_ratio_mean"),
+            ("is_capped_sum", "is_capped_frac"),
+            ("advantage_sum", "advantage_mean"),
+            ("kl_sum", "kl"),
+        ):
+            if key in sums:
+                m[name] = sums[key] / n
+        for key in ("is_ratio_max", "is_ratio_min"):
+            if key in sums:
+                m[key] = sums[key]
+        return m
+
+
+def _merge(sums: dict[str, float], parts: dict[str, Any]) -> None:
+    """Add metric parts into running sums; ``*_max`` / ``*_min`` keep the extreme instead."""
+    for name, v in parts.items():
+        if name.endswith("_max"):
+            sums[name] = max(sums.get(name, -math.inf), float(v))
+        elif name.endswith("_min"):
+            sums[name] = min(sums.get(name, math.inf), float(v))
+        else:
+            sums[name] = sums.get(name, 0.0) + float(v)

@@ -1,0 +1,1 @@
+"""From calls to training data: the settling collector, prefix trees, packing."""

@@ -1,0 +1,170 @@
+"""Event log: write/read, a cut last frame, offsets, the async tap."""
+
+import struct
+
+import anyio
+import pytest
+
+from pipeline.core.eventlog import (
+    MAGIC,
+    AsyncEventLog,
+    EventLogError,
+    EventLogReader,
+    EventLogWriter,
+    LogHeader,
+    summarize,
+)
+from pipeline.messages import Metric, ModelCall, Note, PolicyUpdated, RolloutFinished, ids, pack_f32, pack_i32
+
+
+def header(**kw):
+    return LogHeader(schema_version=1, run_id="run-1", created=0.0, experiment="t", config={"a": {"b": 1}}, **kw)
+
+
+def write(path, msgs):
+    with EventLogWriter(path, header(), chunk_bytes=256) as w:
+        for i, msg in enumerate(msgs):
+            w.append(f"src{i % 3}.out", msg, t=float(i))
+
+
+def test_write_read_round_trip(tmp_path):
+    p = tmp_path / "events.msgpack"
+    msgs = [Note(seq=i, value=i * 1.5) for i in range(1000)]
+    call = ModelCall(rollout_id="r", call_id="c", seq=0, protocol="chat", input_ids=pack_i32(range(5000)),
+                     output_ids=pack_i32([1, 2]), logprobs=pack_f32([-1, -2]))
+    msgs.insert(500, call)
+    write(p, msgs)
+    r = EventLogReader(p)
+    assert r.header.run_id == "run-1" and r.header.config == {"a": {"b": 1}}
+    evs = list(r)
+    assert [e.msg for e in evs] == msgs
+    assert [e.t for e in evs] == [float(i) for i in range(len(msgs))]
+    assert evs[3].src == "src0.out"
+    assert ids(evs[500].msg.input_ids).tolist() == list(range(5000))
+    assert r.report.truncated_at is None and r.report.frames == len(msgs)
+
+
+def test_refuses_existing_file(tmp_path):
+    p = tmp_path / "e.msgpack"
+    write(p, [Note(seq=0)])
+    with pytest.raises(FileExistsError):
+        EventLogWriter(p, header())
+
+
+@pytest.mark.parametrize("cut", [1, 3, 4, 5, 10])
+def test_truncated_last_frame_is_reported_and_nothing_earlier_is_lost(tmp_path, cut):
+    p = tmp_path / "events.msgpack"
+    msgs = [Note(seq=i, value="x" * 20) for i in range(50)]
+    write(p, msgs)
+    data = p.read_bytes()
+    # cut inside the last frame (its length prefix or its body)
+    last_len = struct.unpack_from("<I", data, len(data) - 4 - len(_last_frame_body(data)))[0]
+    assert last_len == len(_last_frame_body(data))
+    p.write_bytes(data[:-cut])
+    r = EventLogReader(p)
+    got = [e.msg for e in r]
+    assert got == msgs[:-1]
+    assert r.report.truncated_at is not None
+    assert "stops there" in r.report.problem
+    s = summarize(p)
+    assert s.events == 49 and s.truncated_at is not None
+
+
+def _last_frame_body(data):
+    off = len(MAGIC)
+    last = None
+    while off < len(data):
+        (n,) = struct.unpack_from("<I", data, off)
+        last = data[off + 4: off + 4 + n]
+        off += 4 + n
+    return last
+
+
+def test_garbage_in_the_middle_is_an_error_not_silence(tmp_path):
+    p = tmp_path / "events.msgpack"
+    write(p, [Note(seq=i) for i in range(10)])
+    data = bytearray(p.read_bytes())
+    # corrupt a frame body in the middle (keep lengths) -> that is damage, not a crash mid-write
+    off = len(MAGIC)
+    for _ in range(5):
+        (n,) = struct.unpack_from("<I", data, off)
+        off += 4 + n
+    data[off + 4: off + 8] = b"\xc1\xc1\xc1\xc1"
+    p.write_bytes(bytes(data))
+    with pytest.raises(EventLogError, match="does not decode"):
+        list(EventLogReader(p))
+
+
+def test_not_a_log(tmp_path):
+    p = tmp_path / "x"
+    p.write_bytes(b"hello world")
+    with pytest.raises(EventLogError, match="not a bridle event log"):
+        EventLogReader(p)
+    with pytest.raises(EventLogError, match="no such event log"):
+        EventLogReader(tmp_path / "missing")
+
+
+def test_offsets_resume_reading(tmp_path):
+    p = tmp_path / "events.msgpack"
+    write(p, [Note(seq=i) for i in range(20)])
+    r = EventLogReader(p)
+    offs = list(r.iter_with_offsets())
+    resumed = [e.msg.seq for _o, e in EventLogReader(p).iter_with_offsets(start=offs[9][0])]
+    assert resumed == list(range(10, 20))
+
+
+def test_summary_counts(tmp_path):
+    p = tmp_path / "events.msgpack"
+    write(p, [
+        RolloutFinished(rollout_id="r1", group_id="g", status="ok"),
+        RolloutFinished(rollout_id="r2", group_id="g", status="timeout"),
+        PolicyUpdated(version=1, step=1), PolicyUpdated(version=2, step=2),
+        Metric(source="x"),
+    ])
+    s = summarize(p)
+    assert s.by_type == {"Metric": 1, "PolicyUpdated": 2, "RolloutFinished": 2}
+    assert (s.rollouts, s.groups, s.steps, s.last_policy_version) == (2, 1, 2, 2)
+    assert s.span_s == 4.0
+
+
+@pytest.mark.anyio
+async def test_async_tap_flushes_in_background_and_on_close(tmp_path):
+    p = tmp_path / "events.msgpack"
+    log = AsyncEventLog(EventLogWriter(p, header()), flush_interval=0.01)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(log.run_flusher)
+        for i in range(100):
+            await log.record("a.out", Note(seq=i))
+        await anyio.sleep(0.1)
+        # written by the flusher already, before any close
+        assert len(list(EventLogReader(p))) == 100
+        for i in range(100, 150):
+            log.record_nowait("a.out", Note(seq=i))
+        tg.cancel_scope.cancel()
+    log.close()
+    assert [e.msg.seq for e in EventLogReader(p)] == list(range(150))
+
+
+@pytest.mark.anyio
+async def test_async_tap_backpressure_when_disk_lags(tmp_path):
+    p = tmp_path / "events.msgpack"
+    log = AsyncEventLog(EventLogWriter(p, header()), flush_interval=10.0, max_pending_bytes=4096)
+    for i in range(2000):
+        await log.record("a.out", Note(seq=i, value="y" * 50))
+        assert log.writer.pending_bytes <= 4096 + 200
+    log.close()
+    assert len(list(EventLogReader(p))) == 2000
+
+
+def test_reopen_truncates_a_cut_frame_and_appends(tmp_path):
+    p = tmp_path / "events.msgpack"
+    write(p, [Note(seq=i) for i in range(10)])
+    p.write_bytes(p.read_bytes()[:-3])  # kill -9 mid-write
+    w = EventLogWriter.reopen(p)
+    assert w.truncated_bytes > 0
+    for i in range(10, 15):
+        w.append("b.out", Note(seq=i))
+    w.close()
+    r = EventLogReader(p)
+    assert [e.msg.seq for e in r] == [*range(9), *range(10, 15)]
+    assert r.report.truncated_at is None and r.header.run_id == "run-1"

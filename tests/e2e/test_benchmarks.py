@@ -1,0 +1,71 @@
+"""The proxy benchmark keeps working: its throughput model on hand-checked cases, and a short real run end to end.
+
+No timing is asserted (these machines are noisy); the run checks that every path answered every request and that
+every table and verdict is printed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "proxy.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_proxy", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_throughput_model_by_hand():
+    b = _bench()
+    # two processes of 0.5 ms each on 2 cores: each gets a core, 2000 req/s
+    assert b.bound_rps([0.5, 0.5], 2) == pytest.approx(2000)
+    # one core: they share it, 1 ms per request
+    assert b.bound_rps([0.5, 0.5], 1) == pytest.approx(1000)
+    # a 1 ms process caps the path at 1000 req/s however many cores there are
+    assert b.bound_rps([1.0, 0.2], 2) == pytest.approx(1000)
+    assert b.bound_rps([1.0, 0.2], 10**6) == pytest.approx(1000)
+    # three processes on 2 cores: the machine is the limit, 2 / 1.6 ms
+    assert b.bound_rps([0.4, 0.5, 0.7], 2) == pytest.approx(1250)
+    assert math.isnan(b.bound_rps([0.2, float("nan")], 2))
+
+    row = {"cpu_ms": {"client:direct": 0.2, "engine:direct": 0.2, "client:bridle": 0.25, "engine:bridle": 0.35,
+                      "bridle": 1.0, "bridle loop": 0.6},
+           "direct": {"rps": 5000.0}, "bridle": {"rps": 1000.0}}
+    model = {path: parts for path, parts, _ in b.throughput_model(row, render_ms=0.4)}
+    # the loop and the tokenizer threads count as separate consumers; the render-only proxy spends only the render
+    assert model["bridle"] == pytest.approx([0.25, 0.35, 0.6, 0.4])
+    assert model["render-only proxy"] == [0.25, 0.35, 0.4]
+    assert b.bound_rps(model["render-only proxy"], 2) == pytest.approx(2000)
+
+
+def test_short_run_end_to_end(tmp_path):
+    out = tmp_path / "proxy.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--levels", "1", "16", "--requests", "48", "--rounds", "1", "--no-litellm",
+         "--prompt-tokens", "256", "--json", str(out)],
+        cwd=str(ROOT), capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["level"] for r in data["rows"]] == [1, 16]
+    for r in data["rows"]:
+        for target in ("direct", "direct_tok", "bridle"):
+            assert r[target]["errors"] == 0 and r[target]["n"] >= 48, (target, r[target])
+        assert r["render_ms"] > 0 and r["cpu_ms"]["bridle"] > 0 and r["cpu_ms"]["client:bridle"] > 0
+    level16 = data["rows"][1]
+    assert set(level16["model"]) == {"direct", "bridle", "render-only proxy"}
+    assert all(v["rps"] > 0 for v in level16["model"].values())
+    for marker in ("Proxy overhead", "direct+tokenize", "Where the time goes", "Throughput model", "1 client: bridle adds"):
+        assert marker in proc.stdout, marker

@@ -1,0 +1,154 @@
+"""run.py as a user runs it: a real subprocess, real files, real signals."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = [sys.executable, str(ROOT / "run.py")]
+
+EXP = """
+[experiment]
+name = "live"
+[graph]
+actors = {{ source = "toy.source", scale = "toy.scale", sink = "toy.sink" }}
+edges = ["source.out -> scale", "scale.out -> sink"]
+queue_size = 4
+[source]
+count = -1
+interval_s = 0.02
+[scale]
+factor = {factor}
+mode = "{mode}"
+[sink]
+path = "{sink}"
+"""
+
+
+def start(tmp_path, factor=2.0, mode="mul"):
+    exp = tmp_path / "live.toml"
+    sink = tmp_path / "sink.jsonl"
+    exp.write_text(EXP.format(factor=factor, mode=mode, sink=sink))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        RUN + ["--experiment", str(exp), "--run-dir", str(run_dir)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    return proc, exp, sink, run_dir
+
+
+def wait_for(pred, timeout=30.0, what="condition"):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def sink_rows(sink):
+    if not sink.exists():
+        return []
+    return [json.loads(line) for line in sink.read_text().splitlines() if line.strip()]
+
+
+def test_help_explains_the_flags():
+    out = subprocess.run(RUN + ["--help"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    for flag in ("--experiment", "--set", "--replay", "--run-dir", "--json", "--stage"):
+        assert flag in out
+    assert "configs/NAME.toml" in out
+
+
+def test_sigint_stops_a_running_graph_quickly_with_the_log_intact(tmp_path):
+    proc, _exp, sink, run_dir = start(tmp_path)
+    try:
+        wait_for(lambda: len(sink_rows(sink)) >= 10, what="the graph to run")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=2.0)  # the acceptance bound: Ctrl-C ends the graph within 2 s
+        elapsed = time.monotonic() - t0
+    finally:
+        proc.kill()
+    print(f"SIGINT -> exit in {elapsed:.3f} s")
+    assert proc.returncode == 130
+    replay = subprocess.run(RUN + ["--replay", str(run_dir / "events.msgpack"), "--json"],
+                            capture_output=True, text=True, cwd=ROOT, check=True)
+    s = json.loads(replay.stdout)
+    assert s["truncated_at"] is None
+    assert s["by_type"]["Note"] >= 2 * 10 - 1
+    assert s["by_type"]["ActorStopped"] == 3
+    log_lines = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert any(r["event"] == "signal received; stopping the graph" for r in log_lines)
+    assert (run_dir / "config.toml").exists()
+
+
+def test_hot_reload_in_a_live_run_and_refusal_of_a_fixed_field(tmp_path):
+    proc, exp, sink, run_dir = start(tmp_path, factor=2.0)
+    try:
+        wait_for(lambda: len(sink_rows(sink)) >= 5, what="first notes")
+        exp.write_text(EXP.format(factor=7.0, mode="mul", sink=sink))
+        wait_for(lambda: any(r["value"] == 7.0 * r["seq"] and r["seq"] > 0 for r in sink_rows(sink)),
+                 what="the new factor to be used")
+        # a fixed field: refused, and the reloadable change made in the same edit is not applied either
+        exp.write_text(EXP.format(factor=11.0, mode="add", sink=sink))
+        log = run_dir / "log.jsonl"
+        wait_for(lambda: "config reload refused" in log.read_text(), what="the refusal")
+        n = len(sink_rows(sink))
+        wait_for(lambda: len(sink_rows(sink)) >= n + 10, what="more notes")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    rows = sink_rows(sink)
+    factors = {r["value"] / r["seq"] for r in rows if r["seq"] > 0}
+    assert factors == {2.0, 7.0}
+    refusals = [json.loads(x) for x in log.read_text().splitlines() if "refused" in x]
+    assert len(refusals) == 1 and "[scale].mode" in refusals[0]["reason"]
+    s = json.loads(subprocess.run(RUN + ["--replay", str(run_dir), "--json"], capture_output=True, text=True,
+                                  cwd=ROOT, check=True).stdout)
+    assert s["by_type"]["ConfigChanged"] == 2  # one accepted, one refused; both are events
+
+
+def test_bad_config_exits_2_with_a_clear_message(tmp_path):
+    exp = tmp_path / "bad.toml"
+    exp.write_text(EXP.format(factor='"big"', mode="mul", sink=tmp_path / "s"))
+    r = subprocess.run(RUN + ["--experiment", str(exp)], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert r.returncode == 2
+    assert "bad.toml: [scale].factor: expected float, got str" in r.stderr
+    r = subprocess.run(RUN + ["--experiment", "toy", "--set", "source.count=x"], capture_output=True, text=True,
+                       cwd=ROOT, check=False)
+    assert r.returncode == 2 and "--set source.count=x" in r.stderr
+
+
+def test_run_then_replay_summary_and_stage(tmp_path):
+    sink = tmp_path / "sink.jsonl"
+    run_dir = tmp_path / "run"
+    subprocess.run(RUN + ["--experiment", "toy", "--run-dir", str(run_dir), "--no-watch",
+                          "--set", f'sink.path="{sink}"', "--set", "source.interval_s=0"],
+                   capture_output=True, text=True, cwd=ROOT, check=True)
+    assert len(sink_rows(sink)) == 20
+    text = subprocess.run(RUN + ["--replay", str(run_dir / "events.msgpack")], capture_output=True, text=True,
+                          cwd=ROOT, check=True).stdout
+    assert "Note 40" in text and "events     43" in text
+    sink2 = tmp_path / "sink2.jsonl"
+    r = subprocess.run(RUN + ["--replay", str(run_dir / "events.msgpack"), "--stage", "scale,sink",
+                              "--set", f'sink.path="{sink2}"', "--run-dir", str(tmp_path / "replay")],
+                       capture_output=True, text=True, cwd=ROOT, check=True)
+    assert json.loads(r.stdout.strip().splitlines()[-1])["run_dir"] == str(tmp_path / "replay")
+    assert sink_rows(sink2) == sink_rows(sink)
+    r = subprocess.run(RUN + ["--replay", str(run_dir / "events.msgpack"), "--stage", "nope"],
+                       capture_output=True, text=True, cwd=ROOT, check=False)
+    assert r.returncode == 2 and "not an actor of the recorded graph" in r.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["--experiment"]])
+def test_usage_errors(args):
+    r = subprocess.run(RUN + args, capture_output=True, text=True, cwd=ROOT, check=False)
+    assert r.returncode == 2

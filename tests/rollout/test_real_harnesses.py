@@ -1,0 +1,56 @@
+"""Real Claude Code and Codex, unmodified, driven by the scripted engine through the proxy (local processes).
+
+Needs the harness binaries (`npm install @anthropic-ai/claude-code @openai/codex`; point BRIDLE_HARNESS_BIN at the
+node_modules/.bin folder or put them on PATH). Skipped on a laptop without them; required in CI.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline.rollout.harnesses import find_binary
+from pipeline.serving.scripted import ScriptCall, ScriptResponse
+from tests.helpers.ci import require
+from tests.helpers.harness_run import check_prefix, run_harness
+from tests.helpers.proxyutil import model_calls
+
+pytestmark = [pytest.mark.anyio, pytest.mark.harness]
+
+
+async def drive(harness: str, tmp_path: Path, first_call: ScriptResponse) -> tuple[subprocess.CompletedProcess, list, Path]:
+    binary = find_binary({"claude-code": "claude", "codex": "codex"}[harness])
+    require(binary is not None, f"{harness} binary not installed (set BRIDLE_HARNESS_BIN)")
+    return await run_harness(harness, tmp_path, first_call, binary)
+
+
+async def test_claude_code_tool_call_round_trip(tmp_path):
+    target = tmp_path / "ws" / "hello.txt"
+    proc, records, _ws = await drive("claude-code", tmp_path, ScriptResponse(tool_calls=[
+        ScriptCall(name="Write", arguments={"file_path": str(target), "content": "hello from bridle\n"})]))
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out[-2000:] + proc.stderr.decode()[-2000:]
+    assert target.read_text() == "hello from bridle\n"
+    assert '"result":"The file is written."' in out
+    calls = model_calls(records)
+    assert len(calls) == 2 and all(c.protocol == "anthropic" for c in calls)
+    assert calls[1].spliced_turns == 1 and calls[1].rendered_turns == 0
+    k, n, text = check_prefix(calls)
+    print("claude-code: call 2 extends call 1 up to token", k, "of", n, ":", text)
+    assert k == n, f"Claude Code rewrote history at token {k}: {text}"
+
+
+async def test_codex_tool_call_round_trip(tmp_path):
+    proc, records, ws = await drive("codex", tmp_path, ScriptResponse(tool_calls=[
+        ScriptCall(name="exec_command", arguments={"cmd": "printf 'hello from bridle\\n' > hello.txt"})]))
+    assert proc.returncode == 0, proc.stdout.decode()[-2000:] + proc.stderr.decode()[-2000:]
+    assert (ws / "hello.txt").read_text() == "hello from bridle\n"
+    assert "The file is written." in proc.stdout.decode()
+    calls = model_calls(records)
+    assert len(calls) == 2 and all(c.protocol == "responses" for c in calls)
+    assert calls[1].spliced_turns == 1 and calls[1].rendered_turns == 0
+    k, n, text = check_prefix(calls)
+    print("codex: call 2 extends call 1 up to token", k, "of", n, ":", text)
+    assert k == n, f"Codex rewrote history at token {k}: {text}"

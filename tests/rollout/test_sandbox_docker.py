@@ -1,0 +1,298 @@
+"""The Docker sandbox backend against a real Docker engine and the images from pipeline/images.py.
+
+Skipped on a machine without Docker; required in CI (harness_images/ci_setup.sh starts dockerd and builds images).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from functools import partial
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from pipeline.messages import RolloutRequest
+from pipeline.rollout.sandbox import LABEL, DockerBackend, DockerSettings
+from pipeline.rollout.taskgen import family_names, generate
+from pipeline.rollout.tasks import Task, materialize
+from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
+from tests.helpers.ci import require
+from tests.helpers.docker import containers_of
+from tests.helpers.proxyutil import running_proxy
+
+pytestmark = [pytest.mark.anyio, pytest.mark.docker]
+SEEDS = (0, 1)
+
+
+def request(harness: str, task: Task, timeout_s: float = 120.0, rid: str = "r1") -> RolloutRequest:
+    return RolloutRequest(rollout_id=rid, group_id="g", index=0, group_size=1, task_id=task.id, harness=harness,
+                          token="tok", policy_version=0, timeout_s=timeout_s)
+
+
+def variant(tmp: Path, name: str, solve: str, family: str = "create_file", seed: int = 0) -> Task:
+    spec = generate(family, seed)
+    spec = msgspec.structs.replace(spec, solution={"solve.sh": "#!/usr/bin/env bash\n" + solve + "\n"})
+    return materialize(spec, tmp / name)
+
+
+@pytest.fixture
+async def sandbox(images, tmp_path):
+    """(backend, proxy, socket path): a started Docker backend and a proxy listening on a Unix socket."""
+    sock = tmp_path / "proxy.sock"
+    backend = DockerBackend(DockerSettings(workdir=str(tmp_path / "work")))
+    await backend.start()
+    async with running_proxy(unix_socket=str(sock)) as (proxy, _records, _token):
+        yield backend, proxy, str(sock)
+    await backend.aclose()
+    assert containers_of(backend.run_id) == []
+
+
+async def test_oracle_one_untouched_zero_every_family(sandbox, tmp_path):
+    backend, proxy, sock = sandbox
+    results: dict[tuple[str, int, str], tuple[str, float, str]] = {}
+    limiter = anyio.Semaphore(4)
+
+    async def one(family: str, seed: int, kind: str) -> None:
+        name = f"{family}-{seed}-{kind}"
+        if kind == "oracle":
+            task = materialize(generate(family, seed), tmp_path / name)
+        else:
+            task = variant(tmp_path, name, "exit 0", family=family, seed=seed)
+        async with limiter:
+            fin = await backend.run(request("oracle", task, rid=name), task, proxy_url=proxy.base_url,
+                                    proxy_socket=sock)
+        results[family, seed, kind] = (fin.status, fin.reward, fin.details)
+
+    async with anyio.create_task_group() as tg:
+        for family in family_names():
+            for seed in SEEDS:
+                for kind in ("oracle", "untouched"):
+                    tg.start_soon(one, family, seed, kind)
+    for (family, seed, kind), (status, reward, details) in sorted(results.items()):
+        want = 1.0 if kind == "oracle" else 0.0
+        assert (status, reward) == ("ok", want), f"{family} seed {seed} {kind}: {status} {reward}\n{details}"
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+async def test_timeout(sandbox, tmp_path):
+    backend, proxy, sock = sandbox
+    task = variant(tmp_path, "sleepy", "echo started; sleep 300 & sleep 301")
+    fin = await backend.run(request("oracle", task, timeout_s=2.0), task, proxy_url=proxy.base_url,
+                            proxy_socket=sock)
+    assert (fin.status, fin.reward) == ("timeout", 0.0), fin.details
+    assert "started" in fin.details
+    assert containers_of(backend.run_id) == []
+
+
+async def test_crash_is_harness_error(sandbox, tmp_path):
+    backend, proxy, sock = sandbox
+    task = variant(tmp_path, "crash", "echo boom >&2; exit 3")
+    fin = await backend.run(request("oracle", task), task, proxy_url=proxy.base_url, proxy_socket=sock)
+    assert (fin.status, fin.exit_code) == ("harness_error", 3), fin.details
+    assert "boom" in fin.details
+    assert containers_of(backend.run_id) == []
+
+
+async def test_out_of_memory_is_harness_error(images, tmp_path):
+    sock = tmp_path / "proxy.sock"
+    backend = DockerBackend(DockerSettings(memory="64m"))
+    await backend.start()
+    task = variant(tmp_path, "hog", "python3 -c 'x = bytearray(512 << 20); print(len(x))'")
+    async with running_proxy(unix_socket=str(sock)) as (proxy, _, _):
+        fin = await backend.run(request("oracle", task), task, proxy_url=proxy.base_url, proxy_socket=str(sock))
+    await backend.aclose()
+    assert fin.status == "harness_error", fin.details
+    assert containers_of(backend.run_id) == []
+
+
+async def test_killed_from_outside_is_sandbox_error_and_limits_hold(sandbox, tmp_path):
+    backend, proxy, sock = sandbox
+    task = variant(tmp_path, "victim", "sleep 300")
+    seen: dict = {}
+
+    async def assassin():
+        while not (ids := containers_of(backend.run_id, running_only=True)):
+            await anyio.sleep(0.1)
+        info = json.loads((await anyio.run_process(["docker", "inspect", ids[0]])).stdout)[0]
+        seen.update(info["HostConfig"], labels=info["Config"]["Labels"])
+        await anyio.run_process(["docker", "kill", ids[0]])
+
+    fin = None
+
+    async def victim():
+        nonlocal fin
+        fin = await backend.run(request("oracle", task), task, proxy_url=proxy.base_url, proxy_socket=sock)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(victim)
+        tg.start_soon(assassin)
+    assert fin is not None and fin.status == "sandbox_error", fin
+    assert "killed from outside" in fin.details
+    assert containers_of(backend.run_id) == []
+    s = backend.settings
+    assert seen["Privileged"] is False and seen["NetworkMode"] == "none"
+    assert seen["Memory"] == 2 << 30 and seen["PidsLimit"] == s.pids and seen["NanoCpus"] == int(s.cpus * 1e9)
+    assert seen["labels"][LABEL] == "1" and seen["labels"]["bridle.run"] == backend.run_id
+
+
+async def test_cancellation_removes_the_container(sandbox, tmp_path):
+    backend, proxy, sock = sandbox
+    task = variant(tmp_path, "forever", "sleep 300")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(backend.run, request("oracle", task), task, proxy_url=proxy.base_url,
+                              proxy_socket=sock))
+        while not containers_of(backend.run_id):
+            await anyio.sleep(0.1)
+        tg.cancel_scope.cancel()
+    assert containers_of(backend.run_id) == []
+
+
+async def test_start_reaps_leftovers(images):
+    # A container from a "crashed" run: same host, owner process long gone.
+    dead_pid = "2147483646"
+    proc = await anyio.run_process(
+        ["docker", "create", "--label", f"{LABEL}=1", "--label", "bridle.run=crashed",
+         "--label", f"bridle.host={socket.gethostname()}", "--label", f"bridle.owner={dead_pid}",
+         "bridle-base", "sleep", "300"])
+    cid = proc.stdout.decode().strip()
+    backend = DockerBackend()
+    await backend.start()
+    await backend.aclose()
+    assert containers_of("crashed") == [], cid
+
+
+class _Listener:
+    """A TCP server on the host's 127.0.0.1 that records whether anyone connected."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self.stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop:
+            try:
+                c, _ = self.sock.accept()
+                self.connections += 1
+                c.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self.stop = True
+        self.thread.join()
+        self.sock.close()
+
+
+PROBE = r'''
+import json, socket, urllib.request
+def tcp(host, port):
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return "connected"
+    except OSError as e:
+        return type(e).__name__
+res = {"host_loopback": tcp("127.0.0.1", {port}), "test_net": tcp("192.0.2.1", 80)}
+try:
+    res["proxy"] = urllib.request.urlopen("http://127.0.0.1:8080/health", timeout=5).status
+except Exception as e:
+    res["proxy"] = repr(e)
+json.dump(res, open("/app/net.json", "w"))
+'''
+
+
+async def test_isolation_only_the_proxy_answers(images, tmp_path):
+    listener = _Listener()
+    sock = tmp_path / "proxy.sock"
+    backend = DockerBackend(DockerSettings(workdir=str(tmp_path / "work"), keep_workspaces=True))
+    await backend.start()
+    probe = PROBE.replace("{port}", str(listener.port))
+    task = variant(tmp_path, "probe", f"python3 - <<'EOF'\n{probe}\nEOF")
+    try:
+        async with running_proxy(unix_socket=str(sock)) as (proxy, _, _):
+            fin = await backend.run(request("oracle", task), task, proxy_url=proxy.base_url,
+                                    proxy_socket=str(sock))
+    finally:
+        await backend.aclose()
+        listener.close()
+    assert fin.status == "ok", fin.details
+    (kept,) = (tmp_path / "work").iterdir()
+    res = json.loads((kept / "app" / "net.json").read_text())
+    assert res["proxy"] == 200, res
+    assert res["host_loopback"] != "connected" and res["test_net"] != "connected", res
+    assert listener.connections == 0
+
+
+@pytest.mark.parametrize("network", ["none", "host"])
+async def test_whitebox_in_docker_scores_one(images, tmp_path, network):
+    task = materialize(generate("create_file", 5), tmp_path / "task")
+    action = task.oracle_actions[0]
+    script = Script(default=[ScriptResponse(tool_calls=[ScriptCall(name="write_file", arguments=action.args)]),
+                             ScriptResponse(text="Done.")])
+    sock = tmp_path / "proxy.sock"
+    backend = DockerBackend(DockerSettings(network=network))
+    await backend.start()
+    async with running_proxy(script, unix_socket=str(sock)) as (proxy, records, _):
+        req = request("whitebox:S2T0O2C0W0", task)
+        proxy.register(req)
+        fin = await backend.run(req, task, proxy_url=proxy.base_url, proxy_socket=str(sock))
+    await backend.aclose()
+    assert (fin.status, fin.reward) == ("ok", 1.0), fin.details
+    assert sum(type(r).__name__ == "ModelCall" for r in records) == 2
+
+
+@pytest.mark.harness
+@pytest.mark.parametrize("harness", ["claude-code", "codex"])
+async def test_real_harness_in_its_image_scores_one(images, tmp_path, harness):
+    from pipeline.rollout.images import ImageError, build_all
+
+    try:
+        build_all((harness,))
+    except ImageError as e:
+        require(False, f"cannot build the {harness} image: {e}")
+    task = materialize(generate("create_file", 2), tmp_path / "task")
+    args = task.oracle_actions[0].args
+    if harness == "claude-code":
+        call = ScriptCall(name="Write", arguments={"file_path": f"/app/{args['path']}", "content": args["content"]})
+    else:
+        call = ScriptCall(name="exec_command", arguments={"cmd": f"printf %s {json.dumps(args['content'])} > "
+                                                                 f"{args['path']}"})
+    script = Script(default=[ScriptResponse(tool_calls=[call]), ScriptResponse(text="The file is written.")])
+    sock = tmp_path / "proxy.sock"
+    backend = DockerBackend()
+    await backend.start()
+    async with running_proxy(script, unix_socket=str(sock)) as (proxy, records, _):
+        req = request(harness, task, timeout_s=240)
+        proxy.register(req)
+        fin = await backend.run(req, task, proxy_url=proxy.base_url, proxy_socket=str(sock))
+    await backend.aclose()
+    assert (fin.status, fin.reward) == ("ok", 1.0), fin.details
+    assert sum(type(r).__name__ == "ModelCall" for r in records) >= 2
+
+
+async def test_missing_image_or_socket_is_sandbox_error(images, tmp_path):
+    task = materialize(generate("create_file", 0), tmp_path / "task")
+    backend = DockerBackend(DockerSettings(images={"oracle": "bridle-no-such-image"}))
+    await backend.start()
+    try:
+        no_sock = await backend.run(request("oracle", task), task, proxy_url="http://127.0.0.1:9",
+                                    proxy_socket=str(tmp_path / "absent.sock"))
+        sock = tmp_path / "proxy.sock"
+        async with running_proxy(unix_socket=str(sock)) as (proxy, _, _):
+            no_image = await backend.run(request("oracle", task), task, proxy_url=proxy.base_url,
+                                         proxy_socket=str(sock))
+    finally:
+        await backend.aclose()
+    assert no_sock.status == "sandbox_error" and "unix_socket" in no_sock.details
+    assert no_image.status == "sandbox_error" and "--build-images" in no_image.details, no_image.details
+    assert containers_of(backend.run_id) == []

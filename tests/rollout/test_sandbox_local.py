@@ -1,0 +1,215 @@
+"""The local sandbox backend: statuses, rewards, cleanup of processes and directories, cancellation."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from functools import partial
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from pipeline.messages import RolloutRequest
+from pipeline.rollout.harnesses import find_binary
+from pipeline.rollout.sandbox import (
+    MARKER_RUN,
+    LocalBackend,
+    LocalSettings,
+    _marked_pids,
+    _size,
+    make_backend,
+)
+from pipeline.rollout.taskgen import family_names, generate
+from pipeline.rollout.tasks import Task, materialize
+from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
+from tests.helpers.ci import require
+from tests.helpers.proxyutil import running_proxy
+
+pytestmark = pytest.mark.anyio
+FORWARDER = Path(__file__).resolve().parents[2] / "harness_images" / "base" / "forwarder.py"
+
+
+def request(harness: str, task: Task, timeout_s: float = 60.0, rid: str = "r1") -> RolloutRequest:
+    return RolloutRequest(rollout_id=rid, group_id="g", index=0, group_size=1, task_id=task.id, harness=harness,
+                          token="tok", policy_version=0, timeout_s=timeout_s)
+
+
+def variant(tmp: Path, name: str, *, solve: str | None = None, test_sh: str | None = None,
+            family: str = "create_file", seed: int = 0) -> Task:
+    """A built-in task whose oracle (solution/solve.sh) or verifier is replaced: a stand-in harness."""
+    spec = generate(family, seed)
+    solution = dict(spec.solution) if solve is None else {"solve.sh": "#!/usr/bin/env bash\n" + solve + "\n"}
+    tests = dict(spec.tests) if test_sh is None else {**spec.tests, "test.sh": test_sh}
+    spec = msgspec.structs.replace(spec, solution=solution, tests=tests)
+    return materialize(spec, tmp / name)
+
+
+def leftovers(b: LocalBackend) -> list[int]:
+    return _marked_pids(f"{MARKER_RUN}={b.run_id}".encode())
+
+
+def test_size_parsing():
+    assert _size("4g", "m") == 4 << 30
+    assert _size("512m", "m") == 512 << 20
+    assert _size("1.5k", "m") == 1536
+    assert _size(100, "m") == 100
+    assert _size(None, "m") is None
+    with pytest.raises(ValueError, match="memory"):
+        _size("lots", "memory")
+
+
+@pytest.mark.parametrize("family", family_names())
+async def test_oracle_scores_one_untouched_zero(tmp_path, family):
+    b = LocalBackend(LocalSettings(workdir=str(tmp_path / "work")))
+    await b.start()
+    task = materialize(generate(family, 1), tmp_path / "task")
+    ok = await b.run(request("oracle", task), task, proxy_url="http://127.0.0.1:9")
+    assert (ok.status, ok.reward, ok.exit_code) == ("ok", 1.0, 0), ok.details
+    assert ok.timings.queued <= ok.timings.sandbox_ready <= ok.timings.harness_done <= ok.timings.verified
+    idle = variant(tmp_path, "idle", solve="exit 0", family=family, seed=1)
+    zero = await b.run(request("oracle", idle), idle, proxy_url="http://127.0.0.1:9")
+    assert (zero.status, zero.reward) == ("ok", 0.0), zero.details
+    assert list((tmp_path / "work").iterdir()) == []  # rollout directories are removed
+    await b.aclose()
+
+
+async def test_whitebox_through_proxy_scores_one(tmp_path):
+    task = materialize(generate("create_file", 3), tmp_path / "task")
+    action = task.oracle_actions[0]
+    script = Script(default=[ScriptResponse(tool_calls=[ScriptCall(name="write_file", arguments=action.args)]),
+                         ScriptResponse(text="Done.")])
+    b = LocalBackend()
+    async with running_proxy(script) as (proxy, records, _):
+        req = request("whitebox:S1T0O1C0W0", task)
+        proxy.register(req)
+        fin = await b.run(req, task, proxy_url=proxy.base_url)
+    assert (fin.status, fin.reward) == ("ok", 1.0), fin.details
+    assert len([r for r in records if type(r).__name__ == "ModelCall"]) == 2
+
+
+async def test_timeout_kills_the_whole_tree(tmp_path):
+    # A background child, and one that left the process group (setsid): both must die with the harness.
+    task = variant(tmp_path, "sleepy", solve="sleep 300 &\nsetsid sleep 301 &\necho started\nsleep 302")
+    b = LocalBackend()
+    fin = await b.run(request("oracle", task, timeout_s=1.0), task, proxy_url="http://127.0.0.1:9")
+    assert fin.status == "timeout" and fin.reward == 0.0, fin.details
+    assert "started" in fin.details and "killed after 1s" in fin.details
+    assert leftovers(b) == []
+
+
+async def test_crash_is_harness_error(tmp_path):
+    task = variant(tmp_path, "crash", solve="echo boom >&2\nsleep 300 &\nexit 3")
+    b = LocalBackend()
+    fin = await b.run(request("oracle", task), task, proxy_url="http://127.0.0.1:9")
+    assert (fin.status, fin.exit_code) == ("harness_error", 3)
+    assert "boom" in fin.details
+    assert leftovers(b) == []
+
+
+async def test_verifier_without_reward_is_verifier_error(tmp_path):
+    task = variant(tmp_path, "noreward", test_sh="#!/usr/bin/env bash\necho checked\n")
+    fin = await LocalBackend().run(request("oracle", task), task, proxy_url="http://127.0.0.1:9")
+    assert fin.status == "verifier_error"
+    assert "reward.txt" in fin.details and "checked" in fin.details
+
+
+async def test_missing_harness_binary_is_sandbox_error(tmp_path):
+    task = materialize(generate("create_file", 0), tmp_path / "task")
+    b = LocalBackend(LocalSettings(harness_bin=str(tmp_path)))
+    fin = await b.run(request("claude-code", task), task, proxy_url="http://127.0.0.1:9")
+    assert fin.status == "sandbox_error" and "BRIDLE_HARNESS_BIN" in fin.details
+
+
+async def test_unknown_harness_is_sandbox_error(tmp_path):
+    task = materialize(generate("create_file", 0), tmp_path / "task")
+    fin = await LocalBackend().run(request("nope", task), task, proxy_url="http://127.0.0.1:9")
+    assert fin.status == "sandbox_error" and "unknown harness" in fin.details
+
+
+async def test_rlimits_and_kept_workspace(tmp_path):
+    task = variant(tmp_path, "limits", solve='ulimit -n > "$BRIDLE_WORKSPACE/nofile"; ulimit -c > "$BRIDLE_WORKSPACE/core"')
+    b = LocalBackend(LocalSettings(workdir=str(tmp_path / "work"), keep_workspaces=True, open_files=123))
+    fin = await b.run(request("oracle", task), task, proxy_url="http://127.0.0.1:9")
+    assert fin.status == "ok"
+    (kept,) = (tmp_path / "work").iterdir()
+    assert (kept / "app" / "nofile").read_text().strip() == "123"
+    assert (kept / "app" / "core").read_text().strip() == "0"
+    assert (kept / "logs" / "verifier" / "reward.txt").is_file()
+
+
+async def test_cancellation_kills_and_cleans(tmp_path):
+    task = variant(tmp_path, "forever", solve="setsid sleep 300 &\nsleep 300")
+    b = LocalBackend(LocalSettings(workdir=str(tmp_path / "work")))
+    started = anyio.Event()
+
+    async def watch():
+        while not leftovers(b):
+            await anyio.sleep(0.05)
+        started.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(b.run, request("oracle", task), task, proxy_url="http://127.0.0.1:9"))
+        await watch()
+        tg.cancel_scope.cancel()
+    assert started.is_set()
+    assert leftovers(b) == []
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+async def test_start_reaps_a_crashed_runs_processes(tmp_path):
+    # A process left behind by an earlier backend with the same run id (e.g. the pool was SIGKILLed).
+    proc = await anyio.open_process(["sleep", "300"], env={"PATH": "/usr/bin:/bin", MARKER_RUN: "run-x"},
+                                    start_new_session=True)
+    b = LocalBackend(run_id="run-x")
+    assert leftovers(b) == [proc.pid]
+    await b.start()
+    await proc.wait()
+    assert leftovers(b) == []
+
+
+def test_make_backend_checks_kind_and_settings():
+    assert isinstance(make_backend("local"), LocalBackend)
+    with pytest.raises(ValueError, match="local' or 'docker"):
+        make_backend("k8s")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="DockerSettings"):
+        make_backend("docker", LocalSettings())
+
+
+async def test_forwarder_relays_loopback_to_the_proxy_socket(tmp_path):
+    """The image's forwarder, run here: TCP on loopback -> the proxy's Unix socket, then exec of the command."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sock = tmp_path / "proxy.sock"
+    client = ("import sys, urllib.request; "
+              f"r = urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=10); "
+              "sys.exit(0 if r.status == 200 else 1)")
+    async with running_proxy(unix_socket=str(sock)):
+        with anyio.fail_after(60):  # the relay must die with the command, or this would hang on its pipes
+            proc = await anyio.run_process(
+                [sys.executable, str(FORWARDER), "--listen", f"127.0.0.1:{port}", "--socket", str(sock), "--",
+                 sys.executable, "-c", client], check=False)
+    assert proc.returncode == 0, proc.stderr.decode()
+
+
+@pytest.mark.harness
+@pytest.mark.parametrize("harness", ["claude-code", "codex"])
+async def test_real_harness_local_scores_one(tmp_path, harness):
+    exe = find_binary({"claude-code": "claude", "codex": "codex"}[harness])
+    require(exe is not None, f"{harness} binary not installed (set BRIDLE_HARNESS_BIN)")
+    task = materialize(generate("create_file", 4), tmp_path / "task")
+    args = task.oracle_actions[0].args
+    command = f"printf %s {json.dumps(args['content'])} > {args['path']}"
+    call = (ScriptCall(name="Bash", arguments={"command": command, "description": "write the file"})
+            if harness == "claude-code" else ScriptCall(name="exec_command", arguments={"cmd": command}))
+    script = Script(default=[ScriptResponse(tool_calls=[call]), ScriptResponse(text="The file is written.")])
+    b = LocalBackend()
+    async with running_proxy(script) as (proxy, _records, _):
+        req = request(harness, task, timeout_s=240)
+        proxy.register(req)
+        fin = await b.run(req, task, proxy_url=proxy.base_url)
+    assert (fin.status, fin.reward) == ("ok", 1.0), fin.details
+    assert leftovers(b) == []

@@ -1,0 +1,68 @@
+"""Scheduler decisions: harness modes, oracle scripts, the staleness bound."""
+
+from collections import Counter
+
+import pytest
+
+from pipeline.rollout.harness_space import HarnessConfig, training_configs
+from pipeline.rollout.scheduling import Planner, may_issue, oracle_script
+from pipeline.rollout.taskgen import generate_to
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    return generate_to(tmp_path_factory.mktemp("tasks"), "create_file", 6, seed=0)
+
+
+def test_single_mode_cycles_every_task_before_repeating(tasks):
+    p = Planner(tasks, "single", "whitebox:S0T0O0C0W0", [], 2, 3, seed=1)
+    # 6 tasks, 3 groups a step: every 2-step window is one whole pass (what the quickstart's pool relies on),
+    # in a fresh order each pass
+    epochs = [[a.task.id for s in (2 * e, 2 * e + 1) for a in p.step(s)] for e in range(4)]
+    assert all(sorted(ep) == sorted(t.id for t in tasks) for ep in epochs)
+    assert len({tuple(ep) for ep in epochs}) > 1
+    assert {a.harness for s in range(8, 10) for a in p.step(s)} == {"whitebox:S0T0O0C0W0"}
+
+
+def test_mix_mode_pairs_each_task_with_each_harness(tasks):
+    hs = ["whitebox:S0T0O0C0W0", "claude-code", "codex"]
+    p = Planner(tasks, "mix", hs[0], hs, 2, 6, seed=1)
+    groups = p.step(0)
+    assert len(groups) == 6
+    by_task = Counter(a.task.id for a in groups)
+    assert set(by_task.values()) == {3}  # two tasks, each with all three harnesses as separate groups
+    for t in by_task:
+        assert sorted(a.harness for a in groups if a.task.id == t) == sorted(hs)
+
+
+def test_scaling_mode_uses_k_nearest_training_configs_over_k_steps(tasks):
+    train = set(training_configs())
+    p = Planner(tasks, "scaling", "", [], 2, 3, seed=3)
+    s0, s1, s2 = p.step(0), p.step(1), p.step(2)
+    assert [a.task.id for a in s0] == [a.task.id for a in s1]  # a block of K=2 steps shares its tasks
+    assert {a.task.id for a in s2}.isdisjoint({a.task.id for a in s0}) or len(tasks) < 6
+    for a, b in zip(s0, s1):
+        ca, cb = HarnessConfig.parse(a.harness), HarnessConfig.parse(b.harness)
+        assert ca in train and cb in train and ca != cb
+        nearest = min(ca.distance(c) for c in train if c != ca)
+        assert ca.distance(cb) == nearest  # the second harness is one of the anchor's nearest
+
+
+def test_oracle_script_follows_the_tool_interface(tasks):
+    t = tasks[0]
+    s0 = oracle_script(t, "whitebox:S0T0O0C0W0")
+    s2 = oracle_script(t, "whitebox:S0T2O0C0W0")
+    assert s0[0]["tool_calls"][0]["name"] == "write_file"
+    assert s2[0]["tool_calls"][0]["name"] != "write_file"  # opaque id under T2
+    assert s0[0]["tool_calls"][0]["arguments"] == s2[0]["tool_calls"][0]["arguments"]
+    assert s0[-1] == {"text": "Done."}
+    with pytest.raises(ValueError, match="white-box harness only"):
+        oracle_script(t, "codex")
+
+
+def test_staleness_bound():
+    # B = 4 groups per step, max_staleness 1: groups of step k may go out once k - 1 steps are done
+    assert [may_issue(j, 0, 4, 1) for j in (0, 3, 4, 7, 8)] == [True, True, True, True, False]
+    assert may_issue(8, 1, 4, 1) and not may_issue(12, 1, 4, 1)
+    # synchronous: only the current step's groups
+    assert [may_issue(j, 0, 4, 0) for j in (0, 3, 4)] == [True, True, False]

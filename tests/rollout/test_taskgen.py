@@ -1,0 +1,173 @@
+"""Generated task families: reproducible, valid Harbor folders, oracle scores 1 and an untouched workspace 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.rollout.taskgen import FAMILIES, generate, generate_to, resolve_families
+from pipeline.rollout.taskgen.__main__ import main as cli_main
+from pipeline.rollout.taskgen.text_processing import _VOCAB
+from pipeline.rollout.tasks import Task, load_task, materialize, seed_workspace
+from pipeline.rollout.verify import replay_actions_local, run_solution_local, run_verifier_local
+
+SEEDS_PER_FAMILY = 8  # each seed runs the real verifier three times; the slow test covers many more
+
+
+@pytest.fixture(autouse=True)
+def fast_python3(monkeypatch):
+    # Task scripts call `python3`; put this interpreter first so a slow shim (pyenv) does not dominate test time.
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+async def _scores(task: Task, tmp: Path) -> dict[str, float | str]:
+    out: dict[str, float | str] = {}
+    for mode in ("untouched", "solve.sh", "actions"):
+        ws = seed_workspace(task, tmp / task.id / mode)
+        if mode == "solve.sh":
+            r = await run_solution_local(task, ws)
+            assert r.exit_code == 0, (task.id, r.output_tail)
+        elif mode == "actions":
+            await replay_actions_local(task.oracle_actions or [], ws)
+        v = await run_verifier_local(task, ws)
+        out[mode] = v.reward if v.status == "ok" else f"{v.status}: {v.error}"
+    return out
+
+
+def _check_families(tmp_path: Path, seeds: range) -> None:
+    tasks = generate_to(tmp_path / "tasks", "all", len(seeds), seeds.start)
+    results: dict[str, dict] = {}
+
+    async def main():
+        limiter = anyio.CapacityLimiter(4)
+
+        async def one(t: Task):
+            async with limiter:
+                results[t.id] = await _scores(t, tmp_path / "ws")
+
+        async with anyio.create_task_group() as tg:
+            for t in tasks:
+                tg.start_soon(one, t)
+
+    anyio.run(main)
+    bad = {k: v for k, v in results.items() if v != {"untouched": 0.0, "solve.sh": 1.0, "actions": 1.0}}
+    assert not bad, bad
+    assert {t.family for t in tasks} == set(FAMILIES) and len(results) == len(FAMILIES) * len(seeds)
+
+
+def test_every_family_oracle_1_untouched_0(tmp_path):
+    _check_families(tmp_path, range(SEEDS_PER_FAMILY))
+
+
+@pytest.mark.slow
+def test_every_family_oracle_1_untouched_0_many_seeds(tmp_path):
+    _check_families(tmp_path, range(100, 180))
+
+
+def test_at_least_five_families_with_metadata():
+    assert len(FAMILIES) >= 5
+    for name, mod in FAMILIES.items():
+        spec = generate(name, 0)
+        md = spec.config.metadata
+        assert md["family"] == name and md["difficulty"] == mod.DIFFICULTY and md["seed"] == 0
+        assert spec.id == f"{name}-0"
+        for a in json.loads(spec.solution["actions.json"]):
+            assert a["tool"] in {"write_file", "read_file", "edit_file", "bash"}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_reproducible_and_varied(family):
+    assert msgspec.json.encode(generate(family, 7)) == msgspec.json.encode(generate(family, 7))
+    distinct = {
+        msgspec.json.encode([generate(family, s).instruction, generate(family, s).workspace])
+        for s in range(30)
+    }
+    assert len(distinct) >= 25
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(list(FAMILIES)), st.integers(0, 10**9))
+def test_any_seed_generates_a_valid_task(tmp_path_factory, family, seed):
+    t = materialize(generate(family, seed), tmp_path_factory.mktemp("t") / "task")
+    assert load_task(t.root).oracle_actions == t.oracle_actions and t.oracle_actions
+    expected = json.loads((t.tests_dir / "expected.json").read_text())
+    assert expected["checks"] and (t.tests_dir / "secret.txt").read_text().strip() == expected["secret"]
+    assert expected["secret"] not in t.instruction  # the pass token never reaches the agent
+    if t.workspace_seed is not None:
+        for p in t.workspace_seed.rglob("*"):
+            assert not p.is_file() or expected["secret"] not in p.read_text()
+
+
+def test_create_file_is_one_short_write():
+    for s in range(50):
+        spec = generate("create_file", s)
+        actions = json.loads(spec.solution["actions.json"])
+        assert len(actions) == 1 and actions[0]["tool"] == "write_file"
+        assert len(spec.instruction) <= 60 and not spec.workspace
+        assert (
+            actions[0]["args"]["content"] in spec.instruction
+            and actions[0]["args"]["path"] in spec.instruction
+        )
+
+
+def test_vocab_has_no_substring_words():
+    assert not [(a, b) for a in _VOCAB for b in _VOCAB if a != b and a in b]
+
+
+def test_resolve_families():
+    assert resolve_families("all") == list(FAMILIES)
+    assert resolve_families("bugfix, create_file") == ["bugfix", "create_file"]
+    with pytest.raises(ValueError, match="unknown task family"):
+        resolve_families("nope")
+    with pytest.raises(ValueError, match="unknown task family"):
+        generate("nope", 0)
+
+
+def test_bugfix_hidden_tests_ignore_edited_visible_tests(tmp_path):
+    t = materialize(generate("bugfix", 4), tmp_path / "t")
+    ws = seed_workspace(t, tmp_path / "ws")
+    mod = next(p for p in ws.glob("*.py") if not p.name.startswith("test_"))
+    (ws / f"test_{mod.stem}.py").write_text("")  # deleting the visible tests does not help
+    (ws / "unittest.py").write_text("raise SystemExit(0)\n")  # nor shadowing the standard library
+    assert anyio.run(run_verifier_local, t, ws).reward == 0.0
+    mod.write_text("import sys\nsys.exit(0)\n")  # nor exiting early from the module under test
+    assert anyio.run(run_verifier_local, t, ws).reward == 0.0
+
+
+def test_cli_generates_and_checks(tmp_path, capsys):
+    assert (
+        cli_main(
+            [
+                "--family",
+                "create_file,config_edit",
+                "--n",
+                "2",
+                "--seed",
+                "5",
+                "--out",
+                str(tmp_path),
+                "--check",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "wrote 4 tasks" in out and "checked 4 tasks: 0 problems" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config_edit-5",
+        "config_edit-6",
+        "create_file-5",
+        "create_file-6",
+    ]
+    assert cli_main(["--list"]) == 0
+    assert "bugfix" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main(["--family", "nope", "--out", str(tmp_path / "x")])

@@ -1,0 +1,338 @@
+"""Local verifier runner: reward files, isolation of tests/ and logs/, timeouts, process groups, rubric judge."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.rollout.tasks import OracleAction, TaskConfig, TaskSpec, materialize
+from pipeline.rollout.verify import (
+    JudgeConfig,
+    JudgeError,
+    RewardError,
+    RubricJudge,
+    mix_rewards,
+    parse_judge_score,
+    read_reward,
+    replay_actions_local,
+    run_solution_local,
+    run_verifier_local,
+    run_verifier_local_sync,
+)
+
+
+@pytest.fixture(autouse=True)
+def fast_python3(monkeypatch):
+    # Task scripts call `python3`; put this interpreter first so a slow shim (pyenv) does not dominate test time.
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def task_with(
+    tmp_path: Path,
+    test_sh: str,
+    *,
+    tests: dict | None = None,
+    solution: dict | None = None,
+    timeout: float = 20.0,
+    name: str = "t",
+):
+    spec = TaskSpec(
+        id=name,
+        instruction="Write ok into a.txt.\n",
+        config=TaskConfig(version="1.0", metadata={"family": "test"}),
+        environment={"Dockerfile": "FROM debian\n"},
+        tests={"test.sh": test_sh, **(tests or {})},
+        solution=solution or {},
+    )
+    spec.config.verifier.timeout_sec = timeout
+    return materialize(spec, tmp_path / name)
+
+
+LOGS = 'L="${BRIDLE_LOGS:-/logs}/verifier"\n'
+
+
+def test_reward_txt_env_paths_and_stdout(tmp_path):
+    sh = LOGS + (
+        'echo "ws=$BRIDLE_WORKSPACE tests=$BRIDLE_TESTS pwd=$(pwd)"\n'
+        'test -f "$BRIDLE_TESTS/helper.txt" || exit 3\n'
+        'if [ "$(cat "$BRIDLE_WORKSPACE/a.txt")" = ok ]; then echo 1 > "$L/reward.txt"; else echo 0 > "$L/reward.txt"; fi\n'
+    )
+    task = task_with(tmp_path, sh, tests={"helper.txt": "x"})
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    logs = tmp_path / "logs"
+    r0 = run_verifier_local_sync(task, ws, logs_dir=logs)
+    assert (r0.status, r0.reward, r0.exit_code) == ("ok", 0.0, 0)
+    (ws / "a.txt").write_text("ok")
+    r1 = run_verifier_local_sync(task, ws, logs_dir=logs)
+    assert (r1.status, r1.reward, r1.rewards) == ("ok", 1.0, {"rule": 1.0})
+    assert f"ws={ws.resolve()}" in r1.stdout_tail and f"pwd={ws.resolve()}" in r1.stdout_tail
+    assert (
+        "tests=" in r1.stdout_tail and str(task.tests_dir) not in r1.stdout_tail
+    )  # a fresh copy, not the task's
+    assert (logs / "verifier" / "test-stdout.txt").read_text().startswith("ws=")
+
+
+def test_planted_reward_is_removed_before_verifying(tmp_path):
+    task = task_with(tmp_path, LOGS + "true\n")  # writes no reward itself
+    logs = tmp_path / "logs"
+    (logs / "verifier").mkdir(parents=True)
+    (logs / "verifier" / "reward.txt").write_text("1")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    r = run_verifier_local_sync(task, ws, logs_dir=logs)
+    assert r.status == "verifier_error" and "neither" in r.error and r.reward == 0.0
+
+
+def test_tests_are_not_in_workspace_and_changes_do_not_leak_back(tmp_path):
+    sh = LOGS + 'echo tampered > "$BRIDLE_TESTS/secret.txt"; echo 1 > "$L/reward.txt"\n'
+    task = task_with(tmp_path, sh, tests={"secret.txt": "s"})
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    assert run_verifier_local_sync(task, ws).reward == 1.0
+    assert (task.tests_dir / "secret.txt").read_text() == "s"
+    assert list(ws.iterdir()) == []
+
+
+def test_reward_json_named_parts(tmp_path):
+    sh = LOGS + 'echo \'{"reward": 0.75, "style": 0.5}\' > "$L/reward.json"\n'
+    r = run_verifier_local_sync(task_with(tmp_path, sh), tmp_path)
+    assert (r.status, r.reward, r.rewards) == ("ok", 0.75, {"style": 0.5, "rule": 0.75})
+
+
+def test_nonzero_exit_with_reward_is_ok(tmp_path):
+    r = run_verifier_local_sync(task_with(tmp_path, LOGS + 'echo 0.5 > "$L/reward.txt"; exit 4\n'), tmp_path)
+    assert (r.status, r.reward, r.exit_code) == ("ok", 0.5, 4)
+
+
+def test_timeout_kills_process_group(tmp_path):
+    marker = tmp_path / "survivor"
+    sh = LOGS + f'(sleep 3; touch {marker}) &\nsleep 30\necho 1 > "$L/reward.txt"\n'
+    r = run_verifier_local_sync(task_with(tmp_path, sh, timeout=0.5), tmp_path)
+    assert r.status == "verifier_error" and "timed out after 0.5s" in r.error
+    anyio.run(anyio.sleep, 3.5)
+    assert not marker.exists()
+
+
+def test_background_children_do_not_outlive_a_normal_exit(tmp_path):
+    marker = tmp_path / "survivor"
+    sh = LOGS + f'(sleep 2; touch {marker}) &\necho 1 > "$L/reward.txt"\n'
+    r = run_verifier_local_sync(task_with(tmp_path, sh), tmp_path)
+    assert r.reward == 1.0
+    anyio.run(anyio.sleep, 2.5)
+    assert not marker.exists()
+
+
+def test_missing_workspace_is_verifier_error(tmp_path):
+    r = run_verifier_local_sync(task_with(tmp_path, LOGS), tmp_path / "nope")
+    assert r.status == "verifier_error" and "does not exist" in r.error
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({"reward.txt": "1\n"}, (1.0, {})),
+        ({"reward.txt": " 0.25 "}, (0.25, {})),
+        ({"reward.json": '{"reward": 1, "a": 0}'}, (1.0, {"a": 0.0})),
+        ({"reward.json": '{"a": 1, "b": 0}'}, (0.5, {"a": 1.0, "b": 0.0})),
+        ({"reward.json": "0.5"}, (0.5, {})),
+        ({"reward.txt": "0", "reward.json": '{"reward": 1}'}, (0.0, {})),
+    ],
+)
+def test_read_reward(tmp_path, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert read_reward(tmp_path) == expected
+
+
+@pytest.mark.parametrize(
+    "name, text, msg",
+    [
+        ("reward.txt", "pass", "expected one number"),
+        ("reward.txt", "nan", "finite"),
+        ("reward.json", "{", "not valid JSON"),
+        ("reward.json", '{"reward": "1"}', "expected a number"),
+        ("reward.json", "[]", "expected an object"),
+        ("reward.json", '{"reward": true}', "expected a number"),
+    ],
+)
+def test_read_reward_errors(tmp_path, name, text, msg):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(RewardError, match=msg):
+        read_reward(tmp_path)
+
+
+# -------------------------------------------------------------------------------------------- oracle
+def test_solution_and_action_replay(tmp_path):
+    sh = LOGS + 'if [ "$(cat a.txt)" = ok ]; then echo 1; else echo 0; fi > "$L/reward.txt"\n'
+    solve = '#!/bin/bash\nset -e\ncd "${BRIDLE_WORKSPACE:-/app}"\ncat "$BRIDLE_SOLUTION/x" > a.txt\n'
+    task = task_with(tmp_path, sh, solution={"solve.sh": solve, "x": "ok"})
+    ws = tmp_path / "ws1"
+    ws.mkdir()
+    res = anyio.run(run_solution_local, task, ws)
+    assert res.exit_code == 0 and (ws / "a.txt").read_text() == "ok"
+    ws2 = tmp_path / "ws2"
+    ws2.mkdir()
+    (ws2 / "a.txt").write_text("no")
+    actions = [
+        OracleAction(tool="read_file", args={"path": "a.txt"}),
+        OracleAction(tool="edit_file", args={"path": "a.txt", "old": "no", "new": "o"}),
+        OracleAction(tool="bash", args={"command": "printf k >> a.txt && mkdir -p d"}),
+        OracleAction(tool="write_file", args={"path": "d/e/f.txt", "content": "deep"}),
+    ]
+    out = anyio.run(replay_actions_local, actions, ws2)
+    assert out[0] == "no"
+    assert (ws2 / "a.txt").read_text() == "ok" and (ws2 / "d/e/f.txt").read_text() == "deep"
+    assert run_verifier_local_sync(task, ws2).reward == 1.0
+
+
+@pytest.mark.parametrize(
+    "action, msg",
+    [
+        (
+            OracleAction(tool="edit_file", args={"path": "a.txt", "old": "z", "new": ""}),
+            "occurs 0 times",
+        ),
+        (OracleAction(tool="bash", args={"command": "exit 2"}), "bash exited with 2"),
+        (OracleAction(tool="write_file", args={"path": "../x", "content": ""}), "leaves the workspace"),
+    ],
+)
+def test_replay_errors(tmp_path, action, msg):
+    (tmp_path / "a.txt").write_text("aa")
+    with pytest.raises(ValueError, match=msg):
+        anyio.run(replay_actions_local, [action], tmp_path)
+
+
+# --------------------------------------------------------------------------------------------- judge
+@pytest.mark.parametrize(
+    "content, score",
+    [
+        ('{"score": 0.8, "reason": "good"}', 0.8),
+        ('Sure!\n```json\n{"score": 1, "reason": "all met"}\n```', 1.0),
+        ("score: 0.5", 0.5),
+    ],
+)
+def test_parse_judge_score(content, score):
+    assert parse_judge_score(content)[0] == score
+
+
+@pytest.mark.parametrize("content", ["no idea", '{"score": 7}', '{"score": "high"}'])
+def test_parse_judge_score_errors(content):
+    with pytest.raises(JudgeError):
+        parse_judge_score(content)
+
+
+@given(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1))
+def test_mix_is_convex(rule, rubric, w):
+    m = mix_rewards(rule, rubric, w)
+    assert min(rule, rubric) - 1e-12 <= m <= max(rule, rubric) + 1e-12
+    assert mix_rewards(rule, rubric, 0.0) == rule
+
+
+def test_mix_default_weights():
+    assert mix_rewards(1.0, 0.0) == pytest.approx(0.7)
+    assert mix_rewards(0.0, 1.0) == pytest.approx(0.3)
+    with pytest.raises(ValueError):
+        mix_rewards(1, 1, 1.5)
+
+
+class FakeJudge:
+    """A tiny OpenAI-compatible /chat/completions server on 127.0.0.1 with scripted replies."""
+
+    def __init__(self, replies: list[tuple[int, str]]):
+        self.replies = replies
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.requests.append(await request.json())
+        self.headers.append(dict(request.headers))
+        status, content = self.replies[min(len(self.requests), len(self.replies)) - 1]
+        if status != 200:
+            return web.Response(status=status, text="overloaded")
+        return web.json_response({"choices": [{"message": {"role": "assistant", "content": content}}]})
+
+    async def __aenter__(self):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+RUBRIC_TASK_SH = LOGS + 'test -f a.txt && echo 1 > "$L/reward.txt" || echo 0 > "$L/reward.txt"\n'
+
+
+def test_judge_mix_end_to_end(tmp_path):
+    task = task_with(tmp_path, RUBRIC_TASK_SH, tests={"rubric.md": "The file must be polite."})
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.txt").write_text("hello there")
+
+    async def main():
+        async with FakeJudge([(503, ""), (200, '{"score": 0.5, "reason": "meh"}')]) as fake:
+            judge = RubricJudge(JudgeConfig(base_url=fake.url, model="judge-1", api_key="k", attempts=2))
+            r = await run_verifier_local(task, ws, judge=judge, transcript="agent said hi")
+            return r, fake
+
+    r, fake = anyio.run(main)
+    assert r.status == "ok"
+    assert r.rewards == {"rule": 1.0, "rubric": 0.5}
+    assert r.reward == pytest.approx(0.7 * 1.0 + 0.3 * 0.5)
+    assert len(fake.requests) == 2  # one retry after the 503
+    body = fake.requests[-1]
+    assert body["model"] == "judge-1" and body["temperature"] == 0.0
+    user = body["messages"][1]["content"]
+    assert "The file must be polite." in user and "=== a.txt ===\nhello there" in user
+    assert "Write ok into a.txt." in user and "agent said hi" in user
+    assert fake.headers[-1]["Authorization"] == "Bearer k"
+
+
+def test_judge_failure_is_verifier_error_and_no_rubric_means_rule_only(tmp_path):
+    task = task_with(tmp_path, RUBRIC_TASK_SH, tests={"rubric.md": "R"}, name="with")
+    plain = task_with(tmp_path, RUBRIC_TASK_SH, name="plain")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+
+    async def main():
+        async with FakeJudge([(401, "")]) as fake:
+            judge = RubricJudge(JudgeConfig(base_url=fake.url, model="m"))
+            bad = await run_verifier_local(task, ws, judge=judge)
+            rule_only = await run_verifier_local(plain, ws, judge=judge)
+            return bad, rule_only, fake
+
+    bad, rule_only, fake = anyio.run(main)
+    assert bad.status == "verifier_error" and "HTTP 401" in bad.error and bad.rewards == {"rule": 0.0}
+    assert len(fake.requests) == 1  # a 4xx is not retried
+    assert (rule_only.status, rule_only.reward, rule_only.rewards) == ("ok", 0.0, {"rule": 0.0})
+
+
+def test_judge_unreachable(tmp_path):
+    task = task_with(tmp_path, RUBRIC_TASK_SH, tests={"rubric.md": "R"})
+    judge = RubricJudge(JudgeConfig(base_url="http://127.0.0.1:9/v1", model="m", attempts=1, timeout_s=5))
+    r = run_verifier_local_sync(task, tmp_path, judge=judge)
+    assert r.status == "verifier_error" and "rubric judge failed" in r.error
+
+
+def test_reward_json_written_by_python_checker(tmp_path):
+    sh = (
+        LOGS
+        + "python3 -c \"import json,sys; json.dump({'reward': 0.2}, open(sys.argv[1], 'w'))\" \"$L/reward.json\"\n"
+    )
+    r = run_verifier_local_sync(task_with(tmp_path, sh), tmp_path)
+    assert r.reward == pytest.approx(0.2) and json.loads(json.dumps(r.rewards)) == {"rule": 0.2}

@@ -1,0 +1,363 @@
+"""The embedded engine over real HTTP, through the same client that talks to SGLang.
+
+One engine process (tiny reduced-vocabulary Qwen3 model) serves the whole module. Log-probabilities are checked
+against a teacher-forced recomputation with a plain transformers forward of the same weights (pi_rollout vs
+pi_old), including requests decoded in a padded batch and requests that straddle a weight update.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import aiohttp
+import anyio
+import anyio.from_thread
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pipeline.models.small import IM_END, IM_START, VocabTable, create_small_model, load_vocab_table
+from pipeline.serving.engine import EngineBadRequest, GenerateResult, Sampling
+from pipeline.serving.launch import start_embedded_engine
+from pipeline.serving.sglang_client import HttpEngine
+
+CONTEXT = 512
+WORDS = list(range(2000, 2090))
+UNKNOWN_ID = 99_999  # a real Qwen id that is not in the table: maps to the UNK slot
+
+
+class Engine:
+    def __init__(self, url: str, paths: dict[str, str]) -> None:
+        self.url = url
+        self.paths = paths  # weight_version -> checkpoint folder
+        self._models: dict[str, torch.nn.Module] = {}
+
+    def model(self, version: str) -> torch.nn.Module:
+        if version not in self._models:
+            self._models[version] = AutoModelForCausalLM.from_pretrained(
+                self.paths[version], dtype=torch.float32
+            ).eval()
+        return self._models[version]
+
+    def run(self, fn, *args):
+        async def main():
+            async with HttpEngine(self.url, timeout_s=120) as client:
+                return await fn(client, *args)
+
+        return anyio.run(main)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("engine")
+    vocab = VocabTable.from_sequences([WORDS])
+    kw = {"vocab": vocab, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+    p0 = create_small_model(root / "v0", seed=0, **kw)
+    p1 = create_small_model(root / "v1", seed=1, **kw)
+    with anyio.from_thread.start_blocking_portal() as portal:
+        cm = start_embedded_engine(p0, threads=1, context_length=CONTEXT, timeout_s=120)
+        with portal.wrap_async_context_manager(cm) as client:
+            yield Engine(client.base_url, {str(v): str(p1 if v % 2 else p0) for v in range(5)})
+
+
+def reference(engine: Engine, prompt: list[int], res: GenerateResult, temperature: float) -> torch.Tensor:
+    """Teacher-forced log-probabilities of res.output_ids, each with the weights of the version that sampled it."""
+    vocab = load_vocab_table(engine.paths["0"])
+    ids = torch.as_tensor(vocab.to_compact(prompt + res.output_ids))
+    out = torch.empty(len(res.output_ids))
+    bounds = [s for s, _ in res.version_spans] + [len(res.output_ids)]
+    for (start, version), end in zip(res.version_spans, bounds[1:]):
+        with torch.no_grad():
+            logits = engine.model(version)(input_ids=ids[None]).logits[0].float()
+        lp = torch.log_softmax(logits / temperature if temperature >= 1e-6 else logits, dim=-1)
+        n = len(prompt)
+        out[start:end] = lp[n - 1 + start : n - 1 + end].gather(1, ids[n + start : n + end, None])[:, 0]
+    return out
+
+
+def prompt_of(i: int, n: int) -> list[int]:
+    return [IM_START] + [WORDS[(7 * i + 3 * j) % len(WORDS)] for j in range(n)] + [IM_END]
+
+
+def test_greedy_logprobs_equal_teacher_forcing(engine):
+    prompt = prompt_of(0, 12) + [UNKNOWN_ID]
+    s = Sampling(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    res = engine.run(lambda c: c.generate(prompt, s, rid="greedy-1"))
+    assert res.rid == "greedy-1" and res.finish_reason == "length" and len(res.output_ids) == 24
+    assert res.prompt_tokens == len(prompt) and res.version_spans == [(0, "0")]
+    ref = reference(engine, prompt, res, 0.0)
+    assert torch.allclose(torch.tensor(res.logprobs), ref, atol=1e-4, rtol=0)
+    # greedy: every token is the argmax of the teacher-forced distribution, i.e. its logprob is the maximum
+    vocab = load_vocab_table(engine.paths["0"])
+    ids = torch.as_tensor(vocab.to_compact(prompt + res.output_ids))
+    with torch.no_grad():
+        logits = engine.model("0")(input_ids=ids[None]).logits[0]
+    best = logits[len(prompt) - 1 : -1].max(-1).values
+    chosen = logits[len(prompt) - 1 : -1].gather(1, ids[len(prompt) :, None])[:, 0]
+    assert torch.allclose(best, chosen, atol=1e-5)
+
+
+def test_concurrent_padded_batch_logprobs_equal_teacher_forcing(engine):
+    s = Sampling(temperature=0.7, top_p=0.9, top_k=30, max_new_tokens=40, ignore_eos=True)
+    prompts = [prompt_of(i, 3 + 9 * i) for i in range(8)]  # different lengths -> left padding in the batch
+
+    async def go(c):
+        results = [None] * len(prompts)
+
+        async def one(i):
+            results[i] = await c.generate(prompts[i], Sampling(**{**_fields(s), "seed": i}), rid=f"b{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        return results, await c.server_info()
+
+    results, info = engine.run(go)
+    assert info["max_batch"] > 1
+    for p, res in zip(prompts, results):
+        assert len(res.output_ids) == len(res.logprobs) == 40
+        assert set(res.output_ids) <= set(load_vocab_table(engine.paths["0"]).ids)
+        ref = reference(engine, p, res, 0.7)
+        assert torch.allclose(torch.tensor(res.logprobs), ref, atol=1e-4, rtol=0), (res.logprobs, ref)
+
+
+def _fields(s: Sampling) -> dict:
+    return {f: getattr(s, f) for f in s.__struct_fields__}
+
+
+def test_unseeded_requests_sample_independently(engine):
+    # GRPO needs G different samples of one prompt: unseeded requests must not share a generator seed.
+    prompt = prompt_of(3, 10)
+    s = Sampling(temperature=1.0, max_new_tokens=20, ignore_eos=True)
+
+    async def go(c):
+        return [await c.generate(prompt, s) for _ in range(4)]
+
+    outs = engine.run(go)
+    assert len({tuple(o.output_ids) for o in outs}) > 1
+
+
+def test_seed_gives_the_same_tokens_alone_and_in_a_batch(engine):
+    prompt = prompt_of(3, 10)
+    s = Sampling(temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=1234)
+
+    async def go(c):
+        alone = await c.generate(prompt, s)
+        crowd = {}
+
+        async def one(i):
+            crowd[i] = await c.generate(prompt_of(i, 5 + i), Sampling(**{**_fields(s), "seed": 1000 + i}))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, i)
+            again = await c.generate(prompt, s)
+        other = await c.generate(prompt, Sampling(**{**_fields(s), "seed": 99}))
+        return alone, again, other
+
+    alone, again, other = engine.run(go)
+    assert alone.output_ids == again.output_ids
+    assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(again.logprobs), atol=1e-5)
+    assert other.output_ids != alone.output_ids
+
+
+def test_stop_token_is_included_and_length_finishes(engine):
+    prompt = prompt_of(5, 8)
+    greedy = Sampling(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    first = engine.run(lambda c: c.generate(prompt, greedy))
+    stop = first.output_ids[4]
+    cut = first.output_ids.index(stop)
+    res = engine.run(lambda c: c.generate(prompt, Sampling(**{**_fields(greedy), "stop_token_ids": (stop,)})))
+    assert res.finish_reason == "stop" and res.matched_stop == stop
+    assert res.output_ids == first.output_ids[: cut + 1]
+    assert res.logprobs == pytest.approx(first.logprobs[: cut + 1], abs=1e-5)
+    zero = engine.run(lambda c: c.generate(prompt, Sampling(max_new_tokens=0)))
+    assert zero.finish_reason == "length" and zero.output_ids == []
+
+
+def test_context_limit_ends_with_length(engine):
+    prompt = prompt_of(1, CONTEXT - 10)
+    res = engine.run(lambda c: c.generate(prompt, Sampling(max_new_tokens=100, ignore_eos=True)))
+    assert res.finish_reason == "length" and len(prompt) + len(res.output_ids) == CONTEXT
+
+
+def test_abort_returns_partial_output(engine):
+    async def go(c):
+        got = []
+
+        async def long():
+            got.append(
+                await c.generate(prompt_of(2, 5), Sampling(max_new_tokens=400, ignore_eos=True), rid="ab-1")
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long)
+            while (await c.server_info())["running"] == 0:
+                await anyio.sleep(0.01)
+            await c.abort("ab-1")
+        return got[0]
+
+    res = engine.run(go)
+    assert res.finish_reason == "abort"
+    assert 1 <= len(res.output_ids) < 400 and len(res.logprobs) == len(res.output_ids)
+
+
+def test_32_concurrent_requests_share_one_batch(engine):
+    async def go(c):
+        results = {}
+
+        async def one(i):
+            results[i] = await c.generate(
+                prompt_of(i, 4 + i % 7), Sampling(max_new_tokens=16, ignore_eos=True)
+            )
+
+        before = await c.server_info()
+        await c.pause("in_place")  # hold admission so that all 32 are waiting, then release them together
+        async with anyio.create_task_group() as tg:
+            for i in range(32):
+                tg.start_soon(one, i)
+            while (await c.server_info())["waiting"] < 32:
+                await anyio.sleep(0.01)
+            await c.resume()
+        return results, before, await c.server_info()
+
+    results, before, after = engine.run(go)
+    assert len(results) == 32
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 16 for r in results.values())
+    assert after["max_batch"] == 32
+    assert (
+        after["batch_size_histogram"]["32"] >= 15
+    )  # every request got its 15 decode steps in the full batch
+    assert after["decoded_tokens"] - before["decoded_tokens"] == 32 * 15
+
+
+def test_streaming_chunks_are_cumulative_and_match_non_streaming(engine):
+    prompt = prompt_of(4, 6)
+    s = Sampling(temperature=0.9, max_new_tokens=10, ignore_eos=True, seed=7)
+
+    async def go(c):
+        chunks = [r async for r in c.generate_stream(prompt, s)]
+        return chunks, await c.generate(prompt, s)
+
+    chunks, plain = engine.run(go)
+    assert [len(c.output_ids) for c in chunks] == list(range(1, 11))
+    assert [c.finished for c in chunks] == [False] * 9 + [True]
+    assert chunks[-1].output_ids == plain.output_ids and chunks[-1].finish_reason == "length"
+    for a, b in itertools.pairwise(chunks):
+        assert b.output_ids[: len(a.output_ids)] == a.output_ids
+
+
+def test_bad_input_gets_400_and_the_engine_keeps_serving(engine):
+    good = {"input_ids": [IM_START, 2000], "sampling_params": {"max_new_tokens": 2}}
+    cases = [
+        (b"{not json", "malformed JSON"),
+        (json.dumps({**good, "sampling_params": {"max_new_tokens": 2, "bogus": 1}}), "bogus"),
+        (json.dumps({**good, "input_ids": [IM_START, 151_936]}), "outside the vocabulary"),
+        (json.dumps({**good, "input_ids": [-1]}), "outside the vocabulary"),
+        (json.dumps({**good, "input_ids": [2000] * CONTEXT}), "context length"),
+        (json.dumps({**good, "input_ids": []}), "input_ids"),
+        (json.dumps({**good, "input_ids": ["a"]}), "input_ids"),
+        (json.dumps({"text": "hello"}), "input_ids"),
+        (json.dumps({**good, "sampling_params": {"temperature": -1}}), "temperature"),
+        (json.dumps({**good, "sampling_params": {"top_p": 0}}), "top_p"),
+        (json.dumps({**good, "sampling_params": {"frequency_penalty": 0.5}}), "frequency_penalty"),
+        (json.dumps([1, 2]), "JSON object"),
+    ]
+
+    async def go(c):
+        out = []
+        async with aiohttp.ClientSession() as s:
+            for body, _ in cases:
+                async with s.post(f"{engine.url}/generate", data=body) as r:
+                    out.append((r.status, (await r.json())["message"]))
+            async with s.post(f"{engine.url}/update_weights_from_disk", data=b"[") as r:
+                out.append((r.status, (await r.json())["message"]))
+        try:
+            await c.update_weights("/nonexistent/ckpt", 9)
+        except EngineBadRequest as e:
+            out.append((400, str(e)))
+        ok = await c.generate([IM_START, 2000], Sampling(max_new_tokens=2, ignore_eos=True))
+        return out, ok, await c.health(), await c.model_info()
+
+    out, ok, healthy, info = engine.run(go)
+    for (status, message), (_, needle) in zip(out, cases):
+        assert status == 400 and needle in message, (status, message, needle)
+    assert out[-2][0] == 400 and "malformed JSON" in out[-2][1]
+    assert "not a directory" in out[-1][1]
+    assert len(ok.output_ids) == 2 and healthy and int(info["weight_version"]) % 2 == 0
+
+
+def test_update_weights_mid_request_records_version_spans(engine):
+    """Pause after a few streamed tokens, swap weights, continue: tokens after the swap come from version 1,
+    and every token's logprob equals teacher forcing with the weights that sampled it."""
+    prompt = prompt_of(6, 9)
+    s = Sampling(temperature=0.8, max_new_tokens=30, ignore_eos=True, seed=5)
+    long = Sampling(**{**_fields(s), "max_new_tokens": 300})
+
+    async def go(c):
+        others = []
+        start = (await c.model_info())["weight_version"]
+
+        async def other(i):
+            others.append((i, await c.generate(prompt_of(i, 4 + i), Sampling(**{**_fields(s), "seed": i}))))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(other, i)
+            chunks = 0
+            async for snap in c.generate_stream(prompt, long):
+                chunks += 1
+                if chunks == 5:
+                    await c.pause("in_place")
+                    await c.update_weights(engine.paths["1"], 1)
+                    await c.resume()
+                last = snap
+        info = await c.model_info()
+        await c.update_weights(engine.paths["2"], 2)  # back to the seed-0 weights for later tests
+        return last, others, info, start
+
+    res, others, info, start = engine.run(go)
+    assert info["weight_version"] == "1"
+    assert res.finish_reason == "length" and len(res.output_ids) == 300
+    # the pause lands a few steps after the 5th chunk reached the client; the swap applies between two steps
+    [(zero, v0), (switch, v1)] = res.version_spans
+    assert (zero, v0, v1) == (0, start, "1") and 5 <= switch < 300 and res.weight_version == "1"
+    assert [sp.version for sp in res.spans()] == [int(start), 1]
+    ref = reference(engine, prompt, res, 0.8)
+    assert torch.allclose(torch.tensor(res.logprobs), ref, atol=1e-4, rtol=0)
+    for i, r in others:
+        assert r.finish_reason == "length" and len(r.output_ids) == 30
+        assert torch.allclose(
+            torch.tensor(r.logprobs), reference(engine, prompt_of(i, 4 + i), r, 0.8), atol=1e-4
+        )
+
+
+def test_update_weights_without_pause_fails_no_request(engine):
+    """An update lands between two decode steps of a running batch; every request finishes normally."""
+    s = Sampling(temperature=1.0, max_new_tokens=300, ignore_eos=True)
+    prompts = [prompt_of(i, 5 + 2 * i) for i in range(8)]
+
+    async def go(c):
+        results = {}
+        start = (await c.model_info())["weight_version"]
+
+        async def one(i):
+            results[i] = await c.generate(prompts[i], Sampling(**{**_fields(s), "seed": 50 + i}))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(one, i)
+            while (await c.server_info())["running"] < 8:
+                await anyio.sleep(0.005)
+            await c.update_weights(engine.paths["3"], 3)
+        await c.update_weights(engine.paths["4"], 4)  # back to the seed-0 weights
+        return results, start
+
+    results, start = engine.run(go)
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 300 for r in results.values())
+    assert any(len(r.version_spans) == 2 for r in results.values())
+    for i, r in results.items():
+        assert [v for _, v in r.version_spans] in ([start], [start, "3"], ["3"])
+        assert torch.allclose(torch.tensor(r.logprobs), reference(engine, prompts[i], r, 1.0), atol=1e-4)

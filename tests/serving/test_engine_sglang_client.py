@@ -1,0 +1,325 @@
+"""HttpEngine against a fake SGLang that answers exactly the documented JSON (reference/sglang-api.md)."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.messages import SamplingParams, VersionSpan
+from pipeline.serving.engine import (
+    EngineBadRequest,
+    EngineProtocolError,
+    EngineUnavailable,
+    Sampling,
+)
+from pipeline.serving.launch import attach, free_port
+from pipeline.serving.sglang_client import HttpEngine, parse_generate
+
+DOC_STOP = {
+    "text": "…",
+    "output_ids": [785, 4226, 151645],
+    "meta_info": {
+        "id": "roll-7f3a-0",
+        "finish_reason": {"type": "stop", "matched": 151645},
+        "prompt_tokens": 4,
+        "completion_tokens": 3,
+        "weight_version": "step_17",
+        "num_retractions": 0,
+        "output_token_logprobs": [[-0.12, 785, None], [-1.31, 4226, None], [-0.01, 151645, None]],
+    },
+}
+
+
+def with_meta(base: dict, **meta) -> dict:
+    return {**base, "meta_info": {**base["meta_info"], **meta}}
+
+
+class FakeSGLang:
+    """Records every request; /generate answers from ``replies`` keyed by rid."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.replies: dict[str, tuple[int, object]] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self.handle)
+        return app
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        body = await request.json() if request.can_read_body else None
+        self.calls.append((path, body))
+        if path == "/health":
+            return web.Response()
+        if path == "/model_info":
+            return web.json_response({"model_path": "/ckpt/base", "is_generation": True})
+        if path == "/generate":
+            status, reply = self.replies[body["rid"]]
+            if body.get("stream"):
+                resp = web.StreamResponse()
+                await resp.prepare(request)
+                for chunk in reply:
+                    await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            return web.Response(status=status, text=reply if isinstance(reply, str) else json.dumps(reply))
+        if path == "/update_weights_from_disk":
+            ok = body["model_path"] != "/bad"
+            return web.json_response(
+                {"success": ok, "message": "" if ok else "no such checkpoint"}, status=200 if ok else 400
+            )
+        return web.json_response({})
+
+
+async def serve(fake: FakeSGLang, n: int = 1) -> tuple[web.AppRunner, list[str]]:
+    runner = web.AppRunner(fake.app())
+    await runner.setup()
+    urls = []
+    for _ in range(n):
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        urls.append(f"http://127.0.0.1:{port}")
+    return runner, urls
+
+
+def run_with_fake(fn, replies: dict, n_servers: int = 1):
+    fake = FakeSGLang()
+    fake.replies = replies
+
+    async def main():
+        runner, urls = await serve(fake, n_servers)
+        try:
+            async with HttpEngine(urls[0], control_urls=urls if n_servers > 1 else None) as c:
+                return await fn(c, urls)
+        finally:
+            await runner.cleanup()
+
+    return anyio.run(main), fake
+
+
+def test_documented_stop_response_and_request_shape():
+    s = Sampling(temperature=0.7, top_p=0.95, top_k=40, max_new_tokens=1024, stop_token_ids=(151645,), seed=3)
+    res, fake = run_with_fake(
+        lambda c, _: c.generate([151644, 872, 198, 3838], s, rid="roll-7f3a-0"),
+        {"roll-7f3a-0": (200, DOC_STOP)},
+    )
+    assert res.output_ids == [785, 4226, 151645] and res.logprobs == [-0.12, -1.31, -0.01]
+    assert res.finish_reason == "stop" and res.matched_stop == 151645
+    assert res.weight_version == "step_17" and res.version_spans == [(0, "step_17")]
+    assert res.prompt_tokens == 4 and res.completion_tokens == 3
+    with pytest.raises(EngineProtocolError, match="not an integer"):
+        res.spans()
+    [(path, body)] = fake.calls
+    assert path == "/generate"
+    assert body == {
+        "rid": "roll-7f3a-0",
+        "input_ids": [151644, 872, 198, 3838],
+        "sampling_params": {
+            "max_new_tokens": 1024,
+            "temperature": 0.7,
+            "top_p": 0.95,
+            "top_k": 40,
+            "stop_token_ids": [151645],
+            "ignore_eos": False,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "no_stop_trim": True,
+            "sampling_seed": 3,
+        },
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
+        "stream": False,
+    }
+
+
+def test_length_and_abort_finishes_and_integer_versions():
+    length = with_meta(DOC_STOP, finish_reason={"type": "length", "length": 3}, weight_version="12")
+    abort = with_meta(
+        DOC_STOP,
+        finish_reason={"type": "abort", "message": "Abort before prefill"},
+        weight_version="12",
+        output_token_logprobs=[],
+        completion_tokens=0,
+    )
+    abort["output_ids"] = []
+
+    async def go(c, _):
+        return await c.generate([1], Sampling(), rid="len"), await c.generate([1], Sampling(), rid="ab")
+
+    (r_len, r_ab), _ = run_with_fake(go, {"len": (200, length), "ab": (200, abort)})
+    assert r_len.finish_reason == "length" and r_len.matched_stop is None
+    assert r_len.spans() == [VersionSpan(start=0, version=12)]
+    assert r_ab.finish_reason == "abort" and r_ab.output_ids == [] and r_ab.version_spans == []
+
+
+def test_meta_info_drift_is_tolerated():
+    # no output_ids (ids only inside the logprob entries), two-element entries, string finish_reason,
+    # no weight_version, extra unknown keys
+    drift = {
+        "text": "x",
+        "meta_info": {
+            "id": "d",
+            "finish_reason": "stop",
+            "new_key": {"a": 1},
+            "output_token_logprobs": [[-0.5, 7], [-0.25, 8]],
+        },
+    }
+    res, _ = run_with_fake(lambda c, _: c.generate([1, 2], Sampling(), rid="d"), {"d": (200, drift)})
+    assert res.output_ids == [7, 8] and res.logprobs == [-0.5, -0.25] and res.finish_reason == "stop"
+    assert res.weight_version == "" and res.version_spans == [] and res.prompt_tokens == 2
+
+
+def test_errors_are_classified():
+    bad = {"object": "error", "message": "Unknown sampling parameter foo", "code": 400}
+    no_logprobs = {"output_ids": [1], "meta_info": {"id": "n", "finish_reason": {"type": "stop"}}}
+    mismatch = with_meta(DOC_STOP)
+    mismatch["output_ids"] = [1, 2, 3]
+
+    async def go(c, _):
+        out = []
+        for rid in ("bad", "boom", "nolp", "mis", "notjson"):
+            try:
+                await c.generate([1], Sampling(), rid=rid)
+            except Exception as e:  # noqa: BLE001 - collecting the classes is the point
+                out.append((type(e), str(e)))
+        dead = HttpEngine(f"http://127.0.0.1:{free_port()}")
+        try:
+            await dead.generate([1], Sampling())
+        except EngineUnavailable as e:
+            out.append((type(e), str(e)))
+        healthy = await dead.health()
+        await dead.aclose()
+        return out, healthy
+
+    (out, healthy), _ = run_with_fake(
+        go,
+        {
+            "bad": (400, bad),
+            "boom": (500, "Internal Server Error"),
+            "nolp": (200, no_logprobs),
+            "mis": (200, mismatch),
+            "notjson": (200, "<html>"),
+        },
+    )
+    kinds = [k for k, _ in out]
+    assert kinds == [
+        EngineBadRequest,
+        EngineUnavailable,
+        EngineProtocolError,
+        EngineProtocolError,
+        EngineProtocolError,
+        EngineUnavailable,
+    ]
+    assert "Unknown sampling parameter foo" in out[0][1] and "HTTP 500" in out[1][1]
+    assert not healthy
+
+
+def test_control_calls_reach_every_worker():
+    async def go(c, urls):
+        await c.update_weights("/ckpt/step_17", 17)
+        await c.pause("retract")
+        await c.resume()
+        await c.abort("r1")
+        await c.abort()
+        with pytest.raises(EngineBadRequest, match="no such checkpoint"):
+            await c.update_weights("/bad", 18)
+        return await c.health(), await c.model_info()
+
+    (healthy, info), fake = run_with_fake(go, {}, n_servers=2)
+    assert healthy and info["model_path"] == "/ckpt/base"
+    control = [(p, b) for p, b in fake.calls if p not in ("/health", "/model_info")]
+    expected = [
+        (
+            "/update_weights_from_disk",
+            {"model_path": "/ckpt/step_17", "weight_version": "17", "abort_all_requests": False},
+        ),
+        ("/pause_generation", {"mode": "retract"}),
+        ("/continue_generation", {}),
+        ("/abort_request", {"rid": "r1"}),
+        ("/abort_request", {"abort_all": True}),
+    ]
+    assert control[:10] == [c for c in expected for _ in range(2)]
+    assert control[10][0] == "/update_weights_from_disk"  # the first worker refused; no second call
+
+
+def test_streaming_cumulative_chunks():
+    meta = DOC_STOP["meta_info"]
+    chunks = []
+    for n in (1, 2, 3):
+        chunks.append(
+            {
+                "text": "",
+                "output_ids": DOC_STOP["output_ids"][:n],
+                "meta_info": {
+                    **meta,
+                    "finish_reason": meta["finish_reason"] if n == 3 else None,
+                    "output_token_logprobs": meta["output_token_logprobs"][:n],
+                },
+            }
+        )
+
+    async def go(c, _):
+        return [r async for r in c.generate_stream([1], Sampling(), rid="s")]
+
+    snaps, fake = run_with_fake(go, {"s": (200, chunks)})
+    assert [s.output_ids for s in snaps] == [[785], [785, 4226], [785, 4226, 151645]]
+    assert [s.finished for s in snaps] == [False, False, True] and snaps[-1].matched_stop == 151645
+    assert fake.calls[0][1]["stream"] is True
+
+
+def test_attach_waits_for_a_running_server():
+    fake = FakeSGLang()
+
+    async def main():
+        runner, urls = await serve(fake, 2)
+        try:
+            async with attach(urls[0], worker_urls=urls[1:], timeout_s=5) as c:
+                return c.control_urls
+        finally:
+            await runner.cleanup()
+
+    assert anyio.run(main)[0].startswith("http://127.0.0.1:")
+
+
+def test_sampling_from_rollout_params():
+    s = Sampling.from_params(SamplingParams(temperature=0.6, top_k=20, max_new_tokens=77, seed=4), [151645])
+    assert s.to_sglang()["stop_token_ids"] == [151645] and s.max_new_tokens == 77 and s.seed == 4
+    assert "sampling_seed" not in Sampling().to_sglang()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 151_935), st.floats(-50, 0, allow_nan=False)), max_size=30),
+    st.sampled_from(
+        [
+            {"type": "length", "length": 5},
+            {"type": "abort"},
+            {"type": "stop", "matched": 151645},
+            {"type": "stop", "matched": "</s>"},
+        ]
+    ),
+    st.booleans(),
+)
+def test_parse_roundtrip(pairs, finish, with_ids):
+    obj = {
+        "meta_info": {
+            "id": "x",
+            "finish_reason": finish,
+            "weight_version": "3",
+            "output_token_logprobs": [[lp, t, None] for t, lp in pairs],
+        }
+    }
+    if with_ids:
+        obj["output_ids"] = [t for t, _ in pairs]
+    res = parse_generate(obj, "x")
+    assert res.output_ids == [t for t, _ in pairs] and res.logprobs == [lp for _, lp in pairs]
+    assert res.finish_reason == finish["type"]
+    assert res.matched_stop == (finish["matched"] if isinstance(finish.get("matched"), int) else None)
+    assert res.version_spans == ([(0, "3")] if pairs else [])

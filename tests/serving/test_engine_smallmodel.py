@@ -1,0 +1,87 @@
+"""The quickstart model factory and its reduced-vocabulary table."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from pipeline.models.small import (
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    QWEN_VOCAB_SIZE,
+    VOCAB_FILE,
+    VocabTable,
+    create_small_model,
+    load_vocab_table,
+)
+
+
+def test_table_from_sequences_hand_checked():
+    t = VocabTable.from_sequences([[30, 10, 20], [10, ENDOFTEXT]], extra_ids=[IM_END])
+    assert t.ids == (ENDOFTEXT, 10, 20, 30, IM_END) and t.unk_id == ENDOFTEXT and t.size == 5
+    assert t.to_compact([10, 30, IM_END, ENDOFTEXT, 11, 151_000]).tolist() == [1, 3, 4, 0, 0, 0]
+    assert t.to_qwen([0, 1, 2, 3, 4]).tolist() == [ENDOFTEXT, 10, 20, 30, IM_END]
+    with pytest.raises(ValueError, match="outside the Qwen vocabulary"):
+        t.to_compact([QWEN_VOCAB_SIZE])
+    with pytest.raises(ValueError, match="outside the Qwen vocabulary"):
+        t.to_compact([-1])
+    with pytest.raises(ValueError, match="compact id outside"):
+        t.to_qwen([5])
+    with pytest.raises(ValueError, match="duplicates"):
+        VocabTable(ids=(1, 2, 1))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, QWEN_VOCAB_SIZE - 1), max_size=20), max_size=5),
+    st.lists(st.integers(0, QWEN_VOCAB_SIZE - 1), max_size=40),
+)
+def test_mapping_properties(seqs, probe):
+    t = VocabTable.from_sequences(seqs)
+    members = set(t.ids)
+    # every id the table knows survives the round trip; every other id becomes UNK (slot 0)
+    back = t.to_qwen(t.to_compact(probe)).tolist()
+    assert back == [q if q in members else t.unk_id for q in probe]
+    assert t.to_compact(t.to_qwen(np.arange(t.size))).tolist() == list(range(t.size))
+    for s in seqs:
+        assert set(s) <= members
+
+
+def test_reduced_model_folder_loads_with_transformers(tmp_path):
+    t = VocabTable.from_sequences([[1000, 1001, 1002]])
+    d = create_small_model(tmp_path / "m", vocab=t, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    assert {"config.json", "model.safetensors", VOCAB_FILE} <= {p.name for p in d.iterdir()}
+    assert load_vocab_table(d) == t
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["vocab_size"] == t.size
+    # eos ids are stored as compact ids of the Qwen ids <|im_end|> and <|endoftext|>
+    assert sorted(cfg["eos_token_id"]) == sorted(t.to_compact([IM_END, ENDOFTEXT]).tolist())
+    m = AutoModelForCausalLM.from_pretrained(d)
+    assert m.get_input_embeddings().weight.shape[0] == t.size == m.lm_head.weight.shape[0]
+    ids = torch.as_tensor(t.to_compact([IM_START, 1000, 1001]))[None]
+    assert m(input_ids=ids).logits.shape == (1, 3, t.size)
+    # same seed, same weights
+    d2 = create_small_model(
+        tmp_path / "m2", vocab=t, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1
+    )
+    m2 = AutoModelForCausalLM.from_pretrained(d2)
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
+
+
+def test_bad_vocab_file_is_named(tmp_path):
+    (tmp_path / VOCAB_FILE).write_text('{"ids": []}')
+    with pytest.raises(ValueError, match=VOCAB_FILE):
+        load_vocab_table(tmp_path)
+    assert load_vocab_table(tmp_path / "nothing-here") is None
+
+
+def test_bad_shape_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="num_heads"):
+        create_small_model(tmp_path, hidden_size=30, num_heads=4)

@@ -1,0 +1,305 @@
+"""Prefix-tree building and filters: small cases checked by hand, then random rollouts (tests/helpers/treegen.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.messages import (
+    VersionSpan,
+    floats,
+    ids,
+    mask,
+)
+from pipeline.trees.packing import pack_trees
+from pipeline.trees.tree import TreeOptions, build_tree, format_calls, format_stats
+from tests.helpers.treegen import Spec, generate, mc, settled, specs
+
+S = 900  # summary marker in the compaction case
+
+
+def packed_of(*calls, options=None):
+    tree = build_tree(settled(list(calls)), options)
+    assert tree.valid, tree.invalid
+    p = pack_trees([tree])
+    return tree, {
+        "tokens": ids(p.tokens).tolist(),
+        "positions": ids(p.positions).tolist(),
+        "subtree_end": ids(p.subtree_end).tolist(),
+        "pred": ids(p.pred).tolist(),
+        "trainable": mask(p.trainable).astype(int).tolist(),
+        "logprobs": floats(p.logprobs),
+        "rollout": ids(p.rollout).tolist(),
+        "segment": ids(p.segment).tolist(),
+    }
+
+
+LINEAR = [
+    mc(0, [1, 2, 3], [10, 11]),
+    mc(1, [1, 2, 3, 10, 11, 4, 5], [12]),
+    mc(2, [1, 2, 3, 10, 11, 4, 5, 12, 6], [13, 14]),
+]
+
+
+def test_linear_conversation():
+    tree, p = packed_of(*LINEAR)
+    assert p["tokens"] == [1, 2, 3, 10, 11, 4, 5, 12, 6, 13, 14]
+    assert p["trainable"] == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
+    assert p["positions"] == list(range(11))
+    assert p["subtree_end"] == [11] * 11
+    assert p["pred"] == list(range(-1, 10))
+    assert p["rollout"] == [0] * 11
+    assert p["segment"] == [0] * 11
+    want_lp = [0, 0, 0, -0.1, -0.11, 0, 0, -0.2, 0, -0.3, -0.31]
+    np.testing.assert_allclose(p["logprobs"], want_lp, rtol=1e-6)
+    s = tree.stats
+    assert (s.calls, s.leaves, s.kept_leaves, s.segments, s.depth) == (1 * 3, 1, 1, 1, 3)
+    assert (s.tokens_total, s.tokens_packed, s.tokens_trainable) == (5 + 8 + 11, 11, 5)
+    assert s.exact_prefix_attach_rate == 1.0
+    assert s.dropped == {}
+
+
+def test_out_of_order_and_duplicated_records_give_the_same_tree():
+    _, want = packed_of(*LINEAR)
+    tree, got = packed_of(LINEAR[2], LINEAR[0], LINEAR[1], LINEAR[0], LINEAR[2])
+    assert {k: v for k, v in got.items() if k != "logprobs"} == {
+        k: v for k, v in want.items() if k != "logprobs"
+    }
+    np.testing.assert_array_equal(got["logprobs"], want["logprobs"])
+    assert tree.stats.calls == 3
+    assert tree.stats.tokens_total == 24  # each call counted once
+    assert tree.stats.dropped == {"duplicate_record": 2}
+
+
+def test_retried_turn_leaves_a_dead_leaf():
+    tree, p = packed_of(
+        mc(0, [1, 2], [10, 11]),
+        mc(1, [1, 2], [20]),  # retry of the first turn; the harness continues from it
+        mc(2, [1, 2, 20, 3], [21]),
+    )
+    assert p["tokens"] == [1, 2, 20, 3, 21]
+    assert p["trainable"] == [0, 0, 1, 0, 1]
+    s = tree.stats
+    assert (s.leaves, s.kept_leaves, s.segments, s.depth) == (2, 1, 1, 2)
+    assert s.dropped == {"dead_leaf": 1}
+    assert s.exact_prefix_attach_rate == 1.0  # the retry attaches at the end of the prompt node
+    assert [c.kept for c in tree.calls] == [False, False, True]
+
+
+def test_retry_of_the_last_turn_keeps_the_later_sample():
+    tree, p = packed_of(
+        mc(0, [1, 2], [10]),
+        mc(1, [1, 2, 10, 3], [11, 11]),
+        mc(2, [1, 2, 10, 3], [11, 11]),  # same tokens sampled again: still its own trainable span
+    )
+    assert p["tokens"] == [1, 2, 10, 3, 11, 11]
+    np.testing.assert_allclose(p["logprobs"][-2:], [-0.3, -0.31], rtol=1e-6)
+    assert tree.stats.dropped == {"dead_leaf": 1}
+
+
+def test_failed_and_malformed_calls_are_dropped_with_reasons():
+    bad_lp = mc(3, [1, 2, 10, 3], [11, 12], lp=[-0.1])
+    tree, p = packed_of(
+        mc(0, [1, 2], [10]),
+        mc(1, [1, 2, 10, 3], [50, 51], finish="abort"),
+        mc(2, [1, 2, 10, 3], [11]),
+        bad_lp,
+    )
+    assert p["tokens"] == [1, 2, 10, 3, 11]
+    assert tree.stats.dropped == {"failed_call": 1, "malformed_call": 1}
+
+
+def test_call_extending_a_node_that_is_not_the_latest():
+    tree, p = packed_of(
+        mc(0, [1], [10]),
+        mc(1, [1, 10, 2], [11]),
+        mc(2, [1, 10, 2, 11, 3], [12]),
+        mc(3, [1, 10, 2, 11, 4], [13]),  # back to the state after call 1
+        mc(4, [1, 10, 2, 11, 3, 12, 5], [14]),  # and on from call 2 again: the deepest path wins
+    )
+    assert p["tokens"] == [1, 10, 2, 11, 3, 12, 5, 14]
+    assert [c.extends for c in tree.calls] == [-1, 0, 1, 1, 2]
+    assert [c.exact for c in tree.calls] == [False, True, True, True, True]
+    assert tree.stats.dropped == {"dead_leaf": 1}
+    assert (tree.stats.leaves, tree.stats.depth) == (2, 4)
+
+
+def test_branch_inside_an_output_splits_it_and_keeps_the_sampled_prefix_trainable():
+    tree, p = packed_of(
+        mc(0, [1], [10, 11, 12]),
+        mc(1, [1, 10, 11, 5], [13]),  # the harness sent back only part of the answer
+    )
+    assert p["tokens"] == [1, 10, 11, 5, 13]
+    assert p["trainable"] == [0, 1, 1, 0, 1]
+    np.testing.assert_allclose(p["logprobs"], [0, -0.1, -0.11, 0, -0.2], rtol=1e-6)
+    assert tree.calls[1].parent_call == 0 and tree.calls[1].extends == -1
+    assert tree.stats.exact_prefix_attach_rate == 0.0
+    assert tree.stats.dropped == {"dead_leaf": 1}
+
+
+SUMMARY = list(range(50, 58))
+COMPACTION = [
+    mc(0, [1, 2], [10, 11]),
+    mc(1, [1, 2, 10, 11, 3], [12]),
+    mc(2, [1, 2, 10, 11, 3, 12, 7], SUMMARY, label="compaction"),
+    mc(3, [1, 2, S, *SUMMARY], [13]),
+    mc(4, [1, 2, S, *SUMMARY, 13, 4], [14]),
+]
+
+
+@pytest.mark.parametrize("proxy_label", ["compaction", "main"])
+def test_compaction_makes_two_segments_and_the_summary_call_is_not_trained(proxy_label):
+    calls = list(COMPACTION)
+    calls[2] = mc(2, [1, 2, 10, 11, 3, 12, 7], SUMMARY, label=proxy_label)
+    tree, p = packed_of(*calls)
+    assert p["tokens"] == [1, 2, 10, 11, 3, 12, S, *SUMMARY, 13, 4, 14]
+    assert p["trainable"] == [0, 0, 1, 1, 0, 1, 0, *[0] * 8, 1, 0, 1]
+    assert p["positions"] == [0, 1, 2, 3, 4, 5, *range(2, 2 + 12)]
+    assert p["subtree_end"] == [18, 18, 6, 6, 6, 6, *[18] * 12]
+    assert p["pred"][6] == 1  # the new segment's first token is predicted from the shared prompt's last token
+    assert p["segment"] == [-1, -1, 0, 0, 0, 0, *[1] * 12]
+    assert [c.label for c in tree.calls] == ["main", "main", "compaction", "main", "main"]
+    assert [c.chain for c in tree.calls] == [0, 0, 0, 1, 1]
+    s = tree.stats
+    assert (s.segments, s.kept_leaves, s.leaves) == (2, 2, 2)
+    assert s.dropped == {"compaction_excluded": 1}
+    assert tree.relabelled == ({} if proxy_label == "compaction" else {"main->compaction": 1})
+
+
+def test_compaction_call_can_be_included():
+    tree, p = packed_of(*COMPACTION, options=TreeOptions(include_aux=True))
+    assert p["tokens"][:15] == [1, 2, 10, 11, 3, 12, 7, *SUMMARY]
+    assert p["trainable"][7:15] == [1] * 8
+    assert tree.stats.dropped == {}
+
+
+def test_compaction_label_is_corrected_when_the_conversation_continues_after_it():
+    tree, _ = packed_of(mc(0, [1], [10], label="compaction"), mc(1, [1, 10, 2], [11]))
+    assert [c.label for c in tree.calls] == ["main", "main"]
+    assert tree.relabelled == {"compaction->main": 1}
+
+
+def test_summary_written_in_a_separate_context_is_recognized():
+    tree, p = packed_of(
+        mc(0, [1, 2], [10, 11]),
+        mc(1, [6, 1, 2, 10, 11], SUMMARY),  # "summarize this conversation": its own root, proxy says main
+        mc(2, [1, 2, S, *SUMMARY], [13]),
+    )
+    assert [c.label for c in tree.calls] == ["main", "compaction", "main"]
+    assert [c.chain for c in tree.calls] == [0, 1, 2]
+    assert p["tokens"] == [1, 2, 10, 11, S, *SUMMARY, 13]
+    assert tree.stats.segments == 2
+    assert tree.stats.dropped == {"compaction_excluded": 1}
+
+
+def test_subagent_label_on_a_call_that_continues_the_main_history_is_corrected():
+    tree, p = packed_of(mc(0, [1], [10]), mc(1, [1, 10, 2], [11], label="subagent"))
+    assert [c.label for c in tree.calls] == ["main", "main"]
+    assert tree.relabelled == {"subagent->main": 1}
+    assert p["trainable"] == [0, 1, 0, 1]
+
+
+SUBAGENT = [
+    mc(0, [1, 2], [10]),
+    mc(1, [7, 8], [30], label="subagent"),
+    mc(2, [7, 8, 30, 9], [31], label="subagent"),
+    mc(3, [1, 2, 10, 3], [11]),
+]
+
+
+@pytest.mark.parametrize("proxy_label", ["subagent", "main"])
+def test_subagent_is_its_own_root_and_excluded(proxy_label):
+    calls = [
+        mc(c.seq, ids(c.input_ids), ids(c.output_ids), label=proxy_label if c.label != "main" else "main")
+        for c in SUBAGENT
+    ]
+    tree, p = packed_of(*calls)
+    assert p["tokens"] == [1, 2, 10, 3, 11]
+    assert [c.label for c in tree.calls] == ["main", "subagent", "subagent", "main"]
+    assert tree.stats.dropped == {"subagent_excluded": 2}
+    assert tree.stats.segments == 1
+    assert tree.relabelled == ({} if proxy_label == "subagent" else {"main->subagent": 2})
+
+
+def test_a_labelled_side_call_before_the_main_agent_starts_is_not_main():
+    tree, p = packed_of(mc(0, [7], [30], label="subagent"), mc(1, [1], [10]), mc(2, [1, 10, 2], [11]))
+    assert [c.label for c in tree.calls] == ["subagent", "main", "main"]
+    assert p["tokens"] == [1, 10, 2, 11]
+    assert tree.stats.segments == 1
+
+
+def test_subagent_included_sharing_the_system_prompt():
+    tree, p = packed_of(
+        mc(0, [1, 2], [10]),
+        mc(1, [1, 5], [30], label="subagent"),
+        mc(2, [1, 2, 10, 3], [11]),
+        options=TreeOptions(include_aux=True),
+    )
+    assert p["tokens"] == [1, 2, 10, 3, 11, 5, 30]
+    assert p["trainable"] == [0, 0, 1, 0, 1, 0, 1]
+    assert p["positions"] == [0, 1, 2, 3, 4, 1, 2]
+    assert p["subtree_end"] == [7, 5, 5, 5, 5, 7, 7]
+    assert p["pred"] == [-1, 0, 1, 2, 3, 0, 5]
+    assert p["segment"] == [-1, 0, 0, 0, 0, 1, 1]
+    assert tree.stats.kept_leaves == 2
+    assert tree.calls[1].exact is False  # it split the prompt
+
+
+def test_over_branching_discards_the_rollout():
+    calls = [mc(0, [1], [10])] + [mc(k, [1], [10 + k]) for k in range(1, 6)]
+    tree = build_tree(settled(calls), TreeOptions(max_leaves=3))
+    assert not tree.valid and tree.invalid.startswith("over_branching")
+    assert tree.stats.leaves == 6 and tree.stats.kept_leaves == 0
+    assert tree.stats.dropped["over_branching"] == 1
+    assert build_tree(settled(calls), TreeOptions(max_leaves=6)).valid
+
+
+def test_failed_rollout_and_empty_rollout_are_invalid_with_reasons():
+    assert build_tree(settled(LINEAR, status="timeout")).invalid == "status timeout"
+    assert build_tree(settled([])).invalid == "no usable calls"
+    assert build_tree(settled([mc(0, [1], [2], finish="error")])).invalid == "no usable calls"
+
+
+def test_policy_version_is_the_oldest_kept_version():
+    calls = [
+        mc(0, [1], [10, 11], versions=[VersionSpan(0, 4), VersionSpan(1, 5)]),
+        mc(1, [1, 10, 11, 2], [12]),
+    ]
+    tree = build_tree(settled(calls, version=3))
+    assert tree.summary().policy_version == 4
+    assert build_tree(settled(LINEAR, version=3)).summary().policy_version == 3
+
+
+def test_format_stats_and_calls():
+    tree = build_tree(settled(COMPACTION))
+    line = format_stats(tree.summary(), tree.relabelled)
+    assert "calls=5" in line and "segments=2" in line and "compaction_excluded=1" in line
+    view = format_calls(tree)
+    assert len(view.splitlines()) == 5 and "kept-leaf" in view
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="max_leaves"):
+        TreeOptions(max_leaves=0)
+
+
+# --------------------------------------------------------------------------------------------- properties
+@given(specs(), st.integers(0, 2**32 - 1))
+@settings(max_examples=150, deadline=None)
+def test_random_rollouts_have_consistent_stats(spec: Spec, seed: int):
+    rng = np.random.default_rng(seed)
+    gen = generate(rng, spec, prompt=np.array([3000, 1, 2], dtype=np.int32))
+    tree = build_tree(gen.settled, TreeOptions(max_leaves=10_000))
+    live = gen.live
+    s = tree.stats
+    assert s.calls == len(live)
+    assert s.tokens_total == sum(c.x.shape[0] + c.y.shape[0] for c in live)
+    assert s.dropped.get("failed_call", 0) == sum(c.aborted for c in gen.calls)
+    assert s.dropped.get("duplicate_record", 0) == len(gen.settled.calls) - len(gen.calls)
+    assert s.segments == len({c.chain for c in live if c.label != "subagent"})
+    assert [c.label for c in tree.calls] == [c.label for c in live]
+    assert s.kept_leaves == len(gen.expected_paths())
+    assert s.tokens_trainable == sum(int(t.sum()) for _, t, _ in gen.expected_paths())
+    assert 0.0 <= s.exact_prefix_attach_rate <= 1.0
