@@ -8,18 +8,29 @@ import json
 import sys
 from pathlib import Path
 
-EPILOG = """\
-examples:
-  python run.py --experiment quickstart                   run configs/quickstart.toml
-  python run.py --experiment my.toml --set learner.lr=1e-6 --set experiment.seed=3
-  python run.py --replay runs/20261129-120000-quickstart/events.msgpack          summary of a recorded run
-  python run.py --replay runs/.../events.msgpack --json                          the same as one JSON object
-  python run.py --replay runs/.../events.msgpack --stage sink                    re-feed recorded inputs into actor(s)
-  python run.py --replay runs/.../events.msgpack --stage trees                   rebuild trees; compares their hashes
-  python run.py --replay runs/.../events.msgpack --stage learner                 rerun the updates; compares batch hashes
-
-exit codes: 0 done, 1 an actor crashed, 2 bad configuration or arguments, 130 interrupted (Ctrl-C / SIGTERM)
-"""
+# Every example is run by tests/e2e/test_cli.py::test_every_help_example_runs (RUN_DIR and LOG stand for a
+# recorded run's folder and its events.msgpack).
+EXAMPLES: list[tuple[str, str]] = [
+    ("python run.py --experiment quickstart", "run configs/quickstart.toml"),
+    ("python run.py --experiment configs/quickstart.toml --set learner.train.lr=1e-4 --set experiment.seed=3",
+     "a file by path, two fields overridden"),
+    ("python run.py --experiment quickstart --validate", "check the experiment file and exit"),
+    ("python run.py --resume RUN_DIR", "continue a run (also after kill -9) from its last checkpoint"),
+    ("python run.py --serve --experiment serve", "engine + proxy only: record any harness by hand"),
+    ("python run.py --replay LOG", "summary of a recorded run"),
+    ("python run.py --replay LOG --json", "the same as one JSON object"),
+    ("python run.py --replay LOG --calls", "every recorded model call, one line each"),
+    ("python run.py --replay LOG --trees", "each rollout's prefix tree statistics"),
+    ("python run.py --replay LOG --stage trees", "rebuild the trees; compares their hashes"),
+    ("python run.py --replay LOG --stage learner", "rerun the updates; compares the batch hashes"),
+    ("python run.py --build-images", "build the Docker sandbox images (needs a Docker engine)"),
+]
+EPILOG = (
+    "examples (RUN_DIR: a run's folder, runs/<timestamp>-<name>; LOG: RUN_DIR/events.msgpack):\n"
+    + "\n".join(f"  {cmd}\n      {what}" for cmd, what in EXAMPLES)
+    + "\n\nexit codes: 0 done, 1 an actor crashed, 2 bad configuration or arguments, 130 interrupted "
+    "(Ctrl-C / SIGTERM)\n"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

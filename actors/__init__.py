@@ -1,10 +1,8 @@
 """One module per actor; each is thin: receive, call the library in ``pipeline``, send."""
 
-# kind -> "module:Class". An experiment's [graph].actors names kinds from here (or "module:Class" directly).
+# kind -> "module:Class". An experiment's [graph].actors names kinds from here (or "module:Class" directly, as the
+# demo actors in actors/toy.py are named by configs/toy.toml).
 REGISTRY: dict[str, str] = {
-    "toy.source": "actors.toy:Source",
-    "toy.scale": "actors.toy:Scale",
-    "toy.sink": "actors.toy:Sink",
     "proxy": "actors.proxy:ProxyActor",
     "scheduler": "actors.scheduler:Scheduler",
     "sandbox": "actors.sandbox:SandboxPool",

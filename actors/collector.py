@@ -6,21 +6,24 @@ from typing import Any
 
 import anyio
 
-from pipeline.core.config import Section
+from pipeline.core.config import PosFloat, PosInt, Section
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, ServiceReady
 from pipeline.trees.collector import Settler, SettleSettings
 
 
-class CollectorConfig(Section):
-    settle_checks: int = 3
-    settle_interval_s: float = 0.5
-    settle_timeout_s: float = 60.0
+class CollectorSettings(Section):
+    """``[collector]``: a finished rollout settles after ``settle_checks`` quiet checks ``settle_interval_s``
+    apart, or at ``settle_timeout_s`` (its stragglers are aborted)."""
+
+    settle_checks: PosInt = 3
+    settle_interval_s: PosFloat = 0.5
+    settle_timeout_s: PosFloat = 60.0
     reloadable = frozenset({"settle_checks", "settle_interval_s", "settle_timeout_s"})
 
 
-class Collector(Actor[CollectorConfig]):
-    Config = CollectorConfig
+class Collector(Actor[CollectorSettings]):
+    Config = CollectorSettings
     outputs = ("settled", "metrics")
 
     def _settings(self) -> SettleSettings:
@@ -53,6 +56,6 @@ class Collector(Actor[CollectorConfig]):
                         "settled": st.settled, "settle_timeouts": st.timed_out, "late_records": st.late_records,
                         "duplicate_records": st.duplicates}))
 
-    async def on_config(self, new: CollectorConfig, changes: dict[str, Any]) -> None:
+    async def on_config(self, new: CollectorSettings, changes: dict[str, Any]) -> None:
         self.config = new
         self.settler.settings = self._settings()

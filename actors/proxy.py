@@ -10,35 +10,47 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import msgspec
 
-from pipeline.core.config import Section
+from pipeline.core.config import NonNegFloat, Port, PosFloat, PosInt, Section
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
 from pipeline.serving.factory import EngineSettings, open_engine, open_renderer
 from pipeline.serving.proxy import Proxy, ProxySettings
 
 
-class ProxyConfig(Section):
+class ProxyActorSettings(Section):
+    """``[proxy]`` and ``[proxy.engine]``. The engine serves ``[run].model``."""
+
     host: str = "127.0.0.1"
-    port: int = 0
+    port: Port = 0
     unix_socket: str = "auto"  # "auto": a socket in a temp dir (for Docker sandboxes); "": TCP only
-    keepalive_s: float = 5.0
-    stream_head_s: float = 0.02  # a stream's head goes out when the engine has not answered within this
-    max_body_bytes: int = 32 << 20
-    context_len: int = 32768
+    keepalive_s: Annotated[float, msgspec.Meta(gt=0, le=15)] = 5.0  # SSE heartbeat; harnesses give up after ~15 s
+    stream_head_s: NonNegFloat = 0.02  # a stream's head goes out when the engine has not answered within this
+    max_body_bytes: PosInt = 32 << 20
+    context_len: PosInt = 32768
     model_name: str = "policy"
     subagent_model: str = "policy-subagent"
-    update_timeout_s: float = 600.0
+    update_timeout_s: PosFloat = 600.0
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     reloadable = frozenset({"keepalive_s", "update_timeout_s"})
 
+    def check(self, name: str, exp: Any) -> None:
+        from pipeline.core.config import ConfigError
 
-class ProxyActor(Actor[ProxyConfig]):
-    Config = ProxyConfig
+        if self.engine.model:
+            raise ConfigError(f"{exp.source}: [{name}.engine].model moved to [run].model (the policy the engine "
+                              "serves is the one the learner trains); set it there")
+        if self.engine.kind != "scripted" and not exp.run.model:
+            raise ConfigError(f'{exp.source}: [run].model: the {self.engine.kind} engine ([{name}.engine].kind) '
+                              "serves the policy in this HF folder; set it")
+
+
+class ProxyActor(Actor[ProxyActorSettings]):
+    Config = ProxyActorSettings
     outputs = ("rollouts", "calls", "metrics")
 
     proxy: Proxy | None = None
@@ -56,9 +68,9 @@ class ProxyActor(Actor[ProxyConfig]):
                              subagent_model=c.subagent_model)
 
     async def run(self) -> None:
-        renderer = open_renderer(self.config.engine)
-        run_dir = getattr(self, "run_dir", None)
-        async with open_engine(self.config.engine, renderer, run_dir=run_dir) as engine:
+        engine_settings = msgspec.structs.replace(self.config.engine, model=self.ctx.run.model)
+        renderer = open_renderer(engine_settings)
+        async with open_engine(engine_settings, renderer, run_dir=self.run_dir) as engine:
             self.proxy = Proxy(engine, renderer, self._emit, self.settings())
             self.proxy.policy_version = self.config.engine.weight_version
             await self.proxy.start()
@@ -90,6 +102,13 @@ class ProxyActor(Actor[ProxyConfig]):
         if ev is None:
             ev = self.__dict__["_ready"] = anyio.Event()
         return ev
+
+    async def on_config(self, new: ProxyActorSettings, changes: dict[str, Any]) -> None:
+        self.config = new
+        if self.proxy is not None and "keepalive_s" in changes:
+            # Read per call: calls that start from now on use the new heartbeat.
+            self.proxy.settings = msgspec.structs.replace(self.proxy.settings, keepalive_s=new.keepalive_s)
+        self.log.info("proxy settings changed", changes=changes)
 
     async def _emit(self, msg: Any) -> None:
         await self.send("calls", msg)

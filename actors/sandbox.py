@@ -12,7 +12,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from pipeline.core.config import Section
+from pipeline.core.config import PosInt, Section
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, RolloutFinished, RolloutRequest, ServiceReady
 from pipeline.rollout.sandbox import (
@@ -27,7 +27,7 @@ from pipeline.rollout.tasks import TaskError, load_task
 
 class SandboxConfig(Section):
     backend: Literal["local", "docker"] = "local"
-    concurrency: int = 4
+    concurrency: PosInt = 4
     local: LocalSettings = msgspec.field(default_factory=LocalSettings)
     docker: DockerSettings = msgspec.field(default_factory=DockerSettings)
     reloadable = frozenset({"concurrency"})

@@ -62,8 +62,8 @@ def main() -> int:
     results = {}
     for name, staleness in (("synchronous", 0), ("overlapped", 1)):
         run_dir = base / name
-        r = run_quickstart(run_dir, [f"scheduler.steps={args.steps}", f"learner.steps={args.steps}",
-                                     f"scheduler.max_staleness={staleness}", f"learner.max_staleness={staleness}",
+        r = run_quickstart(run_dir, [f"run.steps={args.steps}",
+                                     f"run.max_staleness={staleness}",
                                      *args.sets])
         if r.returncode != 0:
             print(f"{name}: run failed:\n{r.stderr[-3000:]}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Every message that crosses an actor boundary: the map of the system.
 
-Read top to bottom, this file follows one rollout through the graph (DESIGN.md §1-2):
+Read top to bottom, this file follows one rollout through the graph (docs/architecture.md):
 
     Scheduler --RolloutRequest--> Proxy (learns the token) --RolloutRequest, ServiceReady--> SandboxPool
     SandboxPool --(harness speaks HTTP)--> Proxy --CallStarted/ModelCall/CallFailed--> Collector
@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: demonstration packs typed (purpose, packs), TreeGroup.temperature
 
 I32 = Annotated[bytes, msgspec.Meta(description="int32 little-endian array; read with ids()")]
 F32 = Annotated[bytes, msgspec.Meta(description="float32 little-endian array; read with floats()")]
@@ -93,6 +93,9 @@ class RolloutRequest(_Msg, kw_only=True):
     # Scripted rollouts (oracle demonstrations for cold-start SFT, tests): the responses the proxy's scripted engine
     # plays for this rollout, in pipeline.serving.scripted's neutral form. Empty: the policy engine answers.
     script: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    # purpose "sft": how many demonstration rollouts the cold start issues in all, so the tree builder knows when
+    # its last (possibly partial) pack is complete and how many packs the learner must wait for.
+    demonstrations: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- the proxy
@@ -245,14 +248,21 @@ class TreeGroup(_Msg, kw_only=True):
     packed: PackedTree
     issued_version: int = 0
     purpose: Literal["train", "eval", "sft"] = "train"
+    packs: int = 0  # purpose "sft": demonstration packs of the whole cold start (this is one of them)
+    # The sampling temperature of its rollouts: pi_rollout's logprobs are log_softmax(logits / T), so the learner
+    # scores the same distribution (a hot-reloaded [scheduler].temperature reaches the learner with the data).
+    temperature: float = 1.0
 
 
 class GroupDropped(_Msg, kw_only=True):
-    """TreeBuilder -> Monitor: a group that will not be trained, and why."""
+    """TreeBuilder -> Learner: a group that will not be trained, and why. It still counts towards its step (or,
+    for a demonstration pack, towards the cold start), so a drop never stalls the run."""
 
     group_id: str
     reason: str
     valid_rollouts: int = 0
+    purpose: Literal["train", "eval", "sft"] = "train"
+    packs: int = 0  # purpose "sft": as TreeGroup.packs
 
 
 # ---------------------------------------------------------------------------------------------- learner

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -99,12 +100,17 @@ async def build_model(exp: cfg.Experiment) -> None:
         return
     from pipeline.models.quickstart import ModelSpec, ensure_model
 
+    if not exp.run.model:
+        raise cfg.ConfigError(f"{exp.source}: [experiment.build_model] builds the policy at [run].model; set it")
     try:
-        spec = msgspec.convert(exp.experiment.build_model, ModelSpec)
+        spec = msgspec.convert({**exp.experiment.build_model, "path": exp.run.model}, ModelSpec)
     except msgspec.ValidationError as e:
         raise cfg.ConfigError(f"{exp.source}: [experiment.build_model]: {e}") from None
     logs.get_logger(actor="run").info("preparing the model", path=spec.path)
     await anyio.to_thread.run_sync(ensure_model, spec)
+
+
+RESUMES_FILE = "resumes.json"  # how often the run was resumed: re-issued groups get ids of their own
 
 
 def find_resume(run_dir: Path) -> Resume:
@@ -113,7 +119,10 @@ def find_resume(run_dir: Path) -> Resume:
     if not ckpts:
         raise cfg.ConfigError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
     last = ckpts[-1]
-    return Resume(checkpoint=last, steps_done=int(last.name.removeprefix("step")))
+    count = run_dir / RESUMES_FILE
+    attempt = json.loads(count.read_text())["resumes"] + 1 if count.is_file() else 1
+    count.write_text(json.dumps({"resumes": attempt}))
+    return Resume(checkpoint=last, steps_done=int(last.name.removeprefix("step")), attempt=attempt)
 
 
 async def resume_experiment(exp: cfg.Experiment, resolve: Resolver, rd: RunDir, *, config_path: Path | None = None,
@@ -224,7 +233,8 @@ async def replay_stage(
             if targets:
                 for dst in targets:
                     await graph.feeds[dst].send(ev.msg)
-            elif isinstance(ev.msg, ConfigChanged) and ev.msg.accepted and ev.msg.section in graph.actors:
+            elif isinstance(ev.msg, ConfigChanged) and ev.msg.accepted and (
+                    ev.msg.section in graph.actors or ev.msg.section == "run"):
                 await _apply_recorded_change(graph, exp, ev.msg)
         if reader.report.truncated_at is not None:
             logs.get_logger(actor="replay").warning("replayed a truncated log", detail=reader.report.problem)
@@ -237,6 +247,14 @@ async def replay_stage(
 
 
 async def _apply_recorded_change(graph: Graph, exp: cfg.Experiment, change: ConfigChanged) -> None:
+    if change.section == "run":
+        current = msgspec.to_builtins(exp.run)
+        current.update(change.changes)
+        exp.run = msgspec.convert(current, cfg.RunSection)
+        for a in graph.actors.values():
+            a.ctx.run = exp.run
+            await a.on_run_config(exp.run, dict(change.changes))
+        return
     actor = graph.actors[change.section]
     if actor.inbox is not None:
         while actor.inbox.statistics().current_buffer_used:

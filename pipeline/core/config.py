@@ -4,7 +4,7 @@ An experiment file has two fixed sections and one section per actor::
 
     [experiment]                  # name, seed, where runs go
     [graph]                       # which actors run (name -> kind) and how their outputs connect
-    actors = { source = "toy.source", sink = "toy.sink" }
+    actors = { source = "actors.toy:Source", sink = "actors.toy:Sink" }
     edges = ["source.out -> sink"]
     [source]                      # decoded with the Config struct of the actor class named by its kind
     count = 10
@@ -20,10 +20,11 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
+from pipeline.core import legacy
 from pipeline.core.paths import CONFIG_DIR
 
 
@@ -31,27 +32,60 @@ class ConfigError(Exception):
     """A config problem, phrased for the user: which file, which field, what was expected."""
 
 
+# Bounded field types: a value outside the bound is refused when the file is read, with the field named
+# ("[scheduler].group_size: expected int >= 1"), instead of a hang or a ZeroDivisionError at run time.
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
 class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Base of every config section. Subclasses list their hot-reloadable fields in ``reloadable``."""
+    """Base of every config section. Subclasses list their hot-reloadable fields in ``reloadable``.
+
+    ``check`` is for invariants that span sections (the other section is found by its actor kind with
+    :meth:`Experiment.kind_section`); it raises :class:`ConfigError` naming both fields.
+    """
 
     reloadable: ClassVar[frozenset[str]] = frozenset()
+
+    def check(self, name: str, exp: Experiment) -> None:
+        """Cross-section invariants of this section, checked once every section is decoded."""
 
 
 class ExperimentSection(Section):
     name: str = ""
     seed: int = 0
     runs_dir: str = "runs"
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     description: str = ""
-    # Build a small CPU policy before the run if it is missing (pipeline.models.quickstart.ModelSpec fields).
+    # Build a small CPU policy at [run].model before the run if it is missing (pipeline.models.quickstart.ModelSpec
+    # fields other than path).
     build_model: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class RunSection(Section):
+    """``[run]``: what every actor of a training run agrees on. Set here once; no actor section repeats it."""
+
+    model: str = ""  # HF folder of the initial policy: the engine serves it, the learner trains it
+    steps: NonNegInt = 10  # RL steps; the learner stops after the last one
+    groups_per_step: PosInt = 2  # (task, harness) groups trained in one RL step
+    # A group issued when the learner had done s steps is trained by step s + max_staleness: the scheduler waits
+    # before issuing further ahead, and the learner drops what is older (a backstop).
+    max_staleness: NonNegInt = 1
+    reloadable = frozenset({"max_staleness"})
+
+    @property
+    def total_groups(self) -> int:
+        return self.steps * self.groups_per_step
 
 
 class GraphSection(Section):
     actors: dict[str, str] = msgspec.field(default_factory=dict)  # actor name -> kind (registry key or mod:Class)
     edges: list[str] = msgspec.field(default_factory=list)  # "actor.output -> actor"
-    queue_size: int = 64  # default bound of every inbox
-    inbox_sizes: dict[str, int] = msgspec.field(default_factory=dict)  # per-actor override
+    queue_size: PosInt = 64  # default bound of every inbox
+    inbox_sizes: dict[str, PosInt] = msgspec.field(default_factory=dict)  # per-actor override
     # The run is complete once all of these actors returned: the others are then stopped (a cyclic graph such
     # as scheduler -> ... -> learner -> scheduler never drains by itself). Empty: run until every actor returned.
     stop_after: list[str] = msgspec.field(default_factory=list)
@@ -67,6 +101,7 @@ class GraphSection(Section):
 
 
 FIXED_SECTIONS = ("experiment", "graph")
+SHARED_SECTIONS = ("run",)  # read by every actor (ActorContext.run); reloadable fields reach all of them
 
 
 @dataclass
@@ -78,6 +113,8 @@ class Experiment:
     graph: GraphSection
     sections: dict[str, Section]
     overrides: list[str] = field(default_factory=list)
+    run: RunSection = field(default_factory=RunSection)
+    notes: list[str] = field(default_factory=list)  # what loading changed (legacy layouts migrated), for the log
 
     @property
     def name(self) -> str:
@@ -86,10 +123,16 @@ class Experiment:
     def section(self, name: str) -> Section:
         return self.sections[name]
 
+    def kind_section(self, kind: str) -> tuple[str, Section] | None:
+        """(name, section) of the one actor of ``kind`` in the graph, or None; for cross-section checks."""
+        names = [n for n, k in self.graph.actors.items() if k == kind]
+        return (names[0], self.sections[names[0]]) if len(names) == 1 else None
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "experiment": msgspec.to_builtins(self.experiment),
             "graph": msgspec.to_builtins(self.graph),
+            "run": msgspec.to_builtins(self.run),
         }
         for k, v in self.sections.items():
             d[k] = msgspec.to_builtins(v)
@@ -191,8 +234,14 @@ def load_experiment(
             raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{source}: not valid TOML: {e}") from None
-    raw = apply_overrides(raw, overrides)
+    try:
+        notes = legacy.migrate(raw, source)  # before overrides: --set run.x=... also works on an old file
+        raw = apply_overrides(raw, overrides)
+        legacy.refuse_moved(raw, source)
+    except legacy.LegacyError as e:
+        raise ConfigError(str(e)) from None
     exp = _decode(source, "experiment", raw.pop("experiment", {}), ExperimentSection, overrides)
+    run = _decode(source, "run", raw.pop("run", {}), RunSection, overrides)
     graph = _decode(source, "graph", raw.pop("graph", {}), GraphSection, overrides)
     if not graph.actors:
         raise ConfigError(f"{source}: [graph].actors is empty; name at least one actor, e.g. actors = {{ a = \"kind\" }}")
@@ -207,7 +256,7 @@ def load_experiment(
     for name in list(raw):
         if name not in names:
             raise ConfigError(
-                f"{source}: unknown section [{name}]; sections are [experiment], [graph] and one per actor "
+                f"{source}: unknown section [{name}]; sections are [experiment], [graph], [run] and one per actor "
                 f"in [graph].actors ({', '.join(sorted(names))})"
             )
     sections: dict[str, Section] = {}
@@ -223,7 +272,11 @@ def load_experiment(
                     f"{source}: [graph].edges: actor \"{name}\" ({kind}) has no output \"{out}\"; "
                     f"its outputs are {', '.join(cls.outputs) or 'none'}"
                 )
-    return Experiment(source=source, experiment=exp, graph=graph, sections=sections, overrides=overrides)
+    out = Experiment(source=source, experiment=exp, graph=graph, sections=sections, overrides=overrides, run=run,
+                     notes=notes)
+    for name, sec in sections.items():
+        sec.check(name, out)
+    return out
 
 
 @dataclass
@@ -246,8 +299,8 @@ def diff(old: Experiment, new: Experiment) -> ConfigDiff:
                 refused.append(f"[{sec}].{k}")
     if refused:
         return ConfigDiff({}, refused)
-    for name, sec_new in new.sections.items():
-        sec_old = old.sections[name]
+    pairs = [("run", old.run, new.run)] + [(n, old.sections[n], s) for n, s in new.sections.items()]
+    for name, sec_old, sec_new in pairs:
         if type(sec_old) is not type(sec_new):
             refused.append(f"[{name}]")
             continue

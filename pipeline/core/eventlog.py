@@ -2,15 +2,24 @@
 
 File layout::
 
-    b"BRDLLOG1"                      8-byte magic
-    u32 little-endian length, msgpack(LogHeader)
-    u32 little-endian length, msgpack(Event)      one frame per message, in the order they were sent
+    b"BRDLLOG2"                      8-byte magic
+    frame(msgpack(LogHeader))
+    frame(msgpack(Event))            one frame per message, in the order they were sent
     ...
 
+    frame = u32 length, u32 (length XOR 0xFFFFFFFF), u32 crc32(payload), payload     (little-endian)
+
 Frames are encoded straight into one growing buffer (``msgspec.Encoder.encode_into``) and written in large chunks,
-so appending costs one encode and no syscall. A crash can only cut the *last* frame; the reader reports that and
-stops there, and nothing before it is lost. With :class:`AsyncEventLog` the buffer is written by a worker thread at
-least every ``flush_interval`` seconds, so a ``kill -9`` loses at most that much.
+so appending costs one encode, one CRC and no syscall. A crash (even ``kill -9``) can only cut the *last* frame:
+fewer bytes than its header, or than its length says. The reader reports that and stops there, nothing before it is
+lost, and ``--resume`` truncates exactly that tail. Anything else is damage, not a crash: a length that disagrees
+with its complement (one flipped bit), a payload whose CRC is wrong, a frame that does not decode. The reader then
+raises :class:`EventLogError` naming the byte offset, and nothing is truncated or replayed past it. With
+:class:`AsyncEventLog` the buffer is written by a worker thread at least every ``flush_interval`` seconds, so a
+``kill -9`` loses at most that much.
+
+Logs of schema 1 (magic ``BRDLLOG1``: u32 length + payload, no checks) are still read; their messages are upgraded
+to the current schema by :func:`pipeline.core.legacy.upgrade_event`.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,12 +37,16 @@ from typing import Any, Self
 import anyio
 import msgspec
 
+from pipeline.core import legacy
 from pipeline.core.logs import get_logger
 from pipeline.messages import SCHEMA_VERSION, Event, Message
 
-MAGIC = b"BRDLLOG1"
-_LEN = struct.Struct("<I")
+MAGIC = b"BRDLLOG2"
+MAGIC_V1 = b"BRDLLOG1"
+_HEAD = struct.Struct("<III")  # length, ~length, crc32(payload)
+_LEN = struct.Struct("<I")  # schema-1 frames: the length alone
 _MAX_FRAME = 1 << 31
+_NOT = 0xFFFFFFFF
 
 
 class LogHeader(msgspec.Struct, kw_only=True):
@@ -68,6 +82,9 @@ class EventLogWriter:
         """Continue an existing log (``--resume``): a frame cut by a crash is truncated away first, so the file
         stays a clean sequence of frames; everything before it is kept."""
         reader = EventLogReader(path)
+        if reader.version == 1:
+            raise EventLogError(f"{reader.path}: a schema-1 log (bridle before the per-frame checksums) cannot be "
+                                "appended to; replay it, or start a new run")
         end = reader.start_offset
         for end, _ev in reader.iter_with_offsets():
             pass
@@ -87,9 +104,13 @@ class EventLogWriter:
     def _frame(self, obj: Any) -> None:
         buf = self._buf
         start = len(buf)
-        buf.extend(b"\0\0\0\0")
-        self._enc.encode_into(obj, buf, start + 4)
-        _LEN.pack_into(buf, start, len(buf) - start - 4)
+        head = _HEAD.size
+        buf.extend(bytes(head))
+        self._enc.encode_into(obj, buf, start + head)
+        n = len(buf) - start - head
+        with memoryview(buf) as view:
+            crc = zlib.crc32(view[start + head:])
+        _HEAD.pack_into(buf, start, n, n ^ _NOT, crc)
 
     def append(self, src: str, msg: Message, t: float | None = None) -> None:
         self._frame(Event(t=time.time() if t is None else t, src=src, msg=msg))
@@ -211,13 +232,20 @@ class EventLogReader:
             self._data = self.path.read_bytes()
         except FileNotFoundError:
             raise EventLogError(f"{self.path}: no such event log; pass the events.msgpack of a run directory")
-        if not self._data.startswith(MAGIC):
+        if self._data.startswith(MAGIC):
+            self.version = 2
+        elif self._data.startswith(MAGIC_V1):
+            self.version = 1
+        else:
             raise EventLogError(f"{self.path}: not a bridle event log (missing {MAGIC!r} magic)")
         self.report = ReadReport()
         header_bytes, self._start = self._read_frame(len(MAGIC))
         if header_bytes is None:
             raise EventLogError(f"{self.path}: the header frame is cut; the log holds no events")
-        self.header = msgspec.msgpack.decode(header_bytes, type=LogHeader)
+        try:
+            self.header = msgspec.msgpack.decode(header_bytes, type=LogHeader)
+        except msgspec.DecodeError as e:
+            raise EventLogError(f"{self.path}: the header frame does not decode ({e}); not a readable log") from None
         if self.header.schema_version > SCHEMA_VERSION:
             raise EventLogError(
                 f"{self.path}: schema version {self.header.schema_version} is newer than this bridle's "
@@ -226,14 +254,37 @@ class EventLogReader:
         self._log = get_logger(component="eventlog", path=str(self.path))
 
     def _read_frame(self, off: int) -> tuple[memoryview | None, int]:
+        """(payload, offset after it), or (None, off) when the file ends inside this frame (a cut tail).
+
+        Raises EventLogError for damage: a length that fails its check, or a payload whose CRC is wrong. The one
+        exception is the file's very last frame with a wrong CRC, which is what a torn final write looks like:
+        it is reported as a cut tail."""
         data = self._data
-        if off + 4 > len(data):
+        if self.version == 1:
+            if off + 4 > len(data):
+                return None, off
+            (n,) = _LEN.unpack_from(data, off)
+            end = off + 4 + n
+            if n >= _MAX_FRAME or end > len(data):
+                return None, off
+            return memoryview(data)[off + 4 : end], end
+        head = _HEAD.size
+        if off + head > len(data):
             return None, off
-        (n,) = _LEN.unpack_from(data, off)
-        end = off + 4 + n
-        if n >= _MAX_FRAME or end > len(data):
+        n, check, crc = _HEAD.unpack_from(data, off)
+        if n ^ _NOT != check:
+            raise EventLogError(f"{self.path}: frame at byte {off} is damaged (its length field fails its check); "
+                                "the log is corrupt from there on")
+        end = off + head + n
+        if end > len(data):
             return None, off
-        return memoryview(data)[off + 4 : end], end
+        payload = memoryview(data)[off + head : end]
+        if zlib.crc32(payload) != crc:
+            if end == len(data):
+                return None, off
+            raise EventLogError(f"{self.path}: frame at byte {off} is damaged (checksum mismatch); the log is "
+                                "corrupt from there on")
+        return payload, end
 
     @property
     def start_offset(self) -> int:
@@ -247,6 +298,7 @@ class EventLogReader:
     def iter_with_offsets(self, start: int | None = None) -> Iterator[tuple[int, Event]]:
         """Yield (offset just after the frame, event); the offset is what a checkpoint stores to resume from."""
         dec = msgspec.msgpack.Decoder(Event)
+        upgrade = self.header.schema_version < SCHEMA_VERSION
         off = self._start if start is None else start
         size = len(self._data)
         frames = 0
@@ -258,10 +310,12 @@ class EventLogReader:
             try:
                 ev = dec.decode(frame)
             except msgspec.DecodeError as e:
-                if end == size:
+                if end == size and self.version == 1:
                     self._cut(off, f"last frame at byte {off} does not decode ({e}); reading stops there")
                     break
                 raise EventLogError(f"{self.path}: frame at byte {off} does not decode: {e}") from e
+            if upgrade:
+                ev.msg = legacy.upgrade_event(ev.msg, self.header.schema_version, self.header.config)
             frames += 1
             off = end
             yield off, ev

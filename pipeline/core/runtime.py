@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import signal
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -69,21 +69,45 @@ class Output:
         self._sinks.clear()
 
 
+@dataclass
+class Resume:
+    """What a resumed run continues from: the last learner checkpoint and how many RL steps it holds."""
+
+    checkpoint: Path
+    steps_done: int
+    attempt: int = 1  # 1 for the first resume of a run, 2 for the second, ...: re-issued work gets new ids
+
+
+@dataclass
+class ActorContext:
+    """What every actor is handed at construction besides its own section."""
+
+    run_dir: Path | None = None  # the run's directory (weights, workspaces, engine logs)
+    resume: Resume | None = None  # set when the run continues from a checkpoint (run.py --resume)
+    run: cfg.RunSection = field(default_factory=cfg.RunSection)  # [run], kept current on hot reload
+
+
 class Actor(Generic[C]):
     """Base class. Subclasses set ``Config`` and ``outputs`` and implement ``run``."""
 
     Config: ClassVar[type[cfg.Section]] = cfg.Section
     outputs: ClassVar[tuple[str, ...]] = ()
 
-    run_dir: Path | None = None  # the run's directory (weights, workspaces, engine logs), set by the supervisor
-    resume: Resume | None = None  # set when the run continues from a checkpoint (run.py --resume)
-
-    def __init__(self, name: str, config: C) -> None:
+    def __init__(self, name: str, config: C, ctx: ActorContext | None = None) -> None:
         self.name = name
         self.config: C = config
+        self.ctx = ctx if ctx is not None else ActorContext()
         self.inbox: MemoryObjectReceiveStream[Message] | None = None
         self.out: dict[str, Output] = {}
         self.log = get_logger(actor=name)
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.ctx.run_dir
+
+    @property
+    def resume(self) -> Resume | None:
+        return self.ctx.resume
 
     async def run(self) -> None:
         raise NotImplementedError
@@ -91,6 +115,10 @@ class Actor(Generic[C]):
     async def on_config(self, new: C, changes: dict[str, Any]) -> None:
         """Called with a validated config whose changed fields are all reloadable. Override to react."""
         self.config = new
+
+    async def on_run_config(self, new: cfg.RunSection, changes: dict[str, Any]) -> None:
+        """Called on every actor when reloadable fields of ``[run]`` change; ``self.ctx.run`` is already ``new``.
+        Override to react (most actors just read ``self.ctx.run`` when they need it)."""
 
     async def send(self, output: str, msg: Message) -> None:
         await self.out[output].send(msg)
@@ -100,14 +128,6 @@ class Actor(Generic[C]):
         if self.inbox is None:
             raise RuntimeError(f"actor {self.name!r} has no incoming edge in [graph].edges")
         return self.inbox
-
-
-@dataclass
-class Resume:
-    """What a resumed run continues from: the last learner checkpoint and how many RL steps it holds."""
-
-    checkpoint: Path
-    steps_done: int
 
 
 class ActorCrashed(Exception):
@@ -127,7 +147,7 @@ Resolver = Callable[[str], type]
 
 
 def make_resolver(registry: Mapping[str, str]) -> Resolver:
-    """Kinds resolve through ``registry`` ("toy.source" -> "actors.toy:Source") or directly as "module:Class"."""
+    """Kinds resolve through ``registry`` ("actors.toy:Source" -> "actors.toy:Source") or directly as "module:Class"."""
 
     def resolve(kind: str) -> type:
         target = registry.get(kind, kind)
@@ -168,9 +188,7 @@ def build_graph(
     actors: dict[str, Actor[Any]] = {}
     for n in names:
         cls = resolve(exp.graph.actors[n])
-        a = cls(n, exp.sections[n])
-        a.run_dir = run_dir
-        a.resume = resume
+        a = cls(n, exp.sections[n], ActorContext(run_dir=run_dir, resume=resume, run=exp.run))
         for o in cls.outputs:
             a.out[o] = Output(f"{n}.{o}", log)
         actors[n] = a
@@ -356,8 +374,11 @@ class Supervisor:
         for section, changes in d.changes.items():
             await self._record(ConfigChanged(section=section, changes=changes))
         for section, changes in d.changes.items():
-            actor = self.actors.get(section)
-            if actor is not None:
+            if section == "run":
+                for actor in self.actors.values():
+                    actor.ctx.run = new.run
+                    await actor.on_run_config(new.run, changes)
+            elif (actor := self.actors.get(section)) is not None:
                 await actor.on_config(new.sections[section], changes)
             self.log.info("config reloaded", section=section, changes=changes)
         self.exp = new

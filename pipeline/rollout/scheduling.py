@@ -1,6 +1,10 @@
-"""What the scheduler decides: which tasks, which harness per group, oracle scripts, and the staleness bound.
+"""What the scheduler decides: which tasks, which harness per group, when to issue them, oracle scripts.
 
-Harness modes (DESIGN.md §2, §7):
+The scheduler actor (``actors/scheduler.py``) only moves messages; every decision is here, in plain objects a test
+can drive without the runtime: :class:`Planner` (the seeded stream of (task, harness) groups) and :class:`Issuer`
+(which group goes out next, bounded by groups in flight and by staleness; cold-start demonstrations first; resume).
+
+Harness modes (docs/architecture.md, "Scheduling"):
 - ``single``: every group uses ``harness``.
 - ``mix``: every task is paired with each harness in ``harnesses``; each (task, harness) pair is its own group.
 - ``scaling``: white-box configurations from the strength-2 orthogonal array; each task gets K harnesses (a random
@@ -14,22 +18,88 @@ or dropped); so it may be issued once the learner has finished ``j // B - max_st
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt, Section
+from pipeline.messages import RolloutRequest, SamplingParams
 from pipeline.rollout.harness_space import HarnessConfig, locality_assignment, tool_name_for, training_configs
 from pipeline.rollout.tasks import Task, load_task_dir
+
+Purpose = Literal["train", "eval", "sft"]
 
 
 class TaskSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``builtin:fam1,fam2`` generates ``count`` seeded instances per family; otherwise a folder of task folders."""
 
     tasks: str = "builtin:create_file"
-    count: int = 64
+    count: PosInt = 64
     seed: int = 0
+
+    def problem(self) -> str:
+        """Why this source cannot produce tasks, or "" (checked when the experiment is read)."""
+        if self.tasks.startswith("builtin:"):
+            from pipeline.rollout.taskgen import family_names
+
+            fams = [f for f in self.tasks.removeprefix("builtin:").split(",") if f]
+            unknown = [f for f in fams if f not in family_names()]
+            if not fams or unknown:
+                return (f"unknown built-in task families {unknown or fams}; known: {', '.join(family_names())}")
+            return ""
+        if not Path(self.tasks).is_dir():
+            return f"task folder {self.tasks!r} does not exist (give a folder of Harbor task folders, or builtin:FAMILY)"
+        return ""
+
+
+class SchedulerSettings(Section):
+    """``[scheduler]``: what to roll out. Steps, groups per step and the staleness bound are in ``[run]``."""
+
+    tasks: TaskSource = msgspec.field(default_factory=TaskSource)
+    # Tasks of the demonstrations. Unset: they are the first sft_groups of the training stream. Set: a separate
+    # set, so training can cycle over a small fixed pool the demonstrations never showed (quickstart).
+    sft_tasks: TaskSource | None = None
+    mode: Literal["single", "mix", "scaling"] = "single"
+    harness: str = "whitebox:S0T0O0C0W0"
+    harnesses: list[str] = msgspec.field(default_factory=list)  # mix mode
+    k: PosInt = 2  # scaling mode: harnesses per task, over K successive steps
+    group_size: PosInt = 4
+    max_groups_in_flight: PosInt = 4
+    sft_groups: NonNegInt = 0  # oracle demonstration groups before training (cold-start SFT)
+    sft_group_size: PosInt = 2
+    temperature: NonNegFloat = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: off
+    max_new_tokens: PosInt = 256
+    timeout_s: PosFloat = 300.0
+    seed: int = 0
+    reloadable = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "timeout_s", "max_groups_in_flight"})
+
+    def check(self, name: str, exp: Any) -> None:
+        from pipeline.core.config import ConfigError
+
+        for label, src in (("tasks", self.tasks), ("sft_tasks", self.sft_tasks)):
+            if src is not None and (why := src.problem()):
+                raise ConfigError(f"{exp.source}: [{name}].{label}: {why}")
+        if self.top_k == 0:
+            raise ConfigError(f"{exp.source}: [{name}].top_k: 0 samples nothing; use -1 (off) or >= 1")
+        if self.mode == "mix" and not self.harnesses:
+            raise ConfigError(f'{exp.source}: [{name}].harnesses: mode = "mix" needs the list of harnesses')
+        proxy = exp.kind_section("proxy")
+        if proxy is not None and self.max_new_tokens >= proxy[1].context_len:
+            raise ConfigError(
+                f"{exp.source}: [{name}].max_new_tokens = {self.max_new_tokens} leaves no room for a prompt within "
+                f"[{proxy[0]}].context_len = {proxy[1].context_len}; lower the first or raise the second")
+        learner = exp.kind_section("learner")
+        if (learner is not None and self.group_size < 2 and learner[1].train.advantage == "grpo"
+                and exp.run.steps > 0):
+            raise ConfigError(
+                f"{exp.source}: [{name}].group_size = {self.group_size} gives every rollout a zero GRPO advantage "
+                f'([{learner[0]}.train].advantage = "grpo"): nothing would be learned; use group_size >= 2 or '
+                'advantage = "ppo"')
 
 
 def load_tasks(src: TaskSource, run_dir: Path, folder: str = "tasks") -> list[Task]:
@@ -114,3 +184,135 @@ def oracle_script(task: Task, harness: str, final_text: str = "Done.") -> list[d
 def may_issue(j: int, steps_done: int, groups_per_step: int, max_staleness: int) -> bool:
     """Whether training group ``j`` may be issued once the learner finished ``steps_done`` steps (module docstring)."""
     return steps_done >= j // groups_per_step - max_staleness
+
+
+@dataclass
+class Issue:
+    """One group to send: its id, (task, harness), purpose and size."""
+
+    group_id: str
+    assignment: Assignment
+    purpose: Purpose
+    size: int
+    demonstrations: int = 0  # purpose "sft": the cold start's demonstration rollouts in all
+
+
+@dataclass
+class Issuer:
+    """Which group goes out next. Pure bookkeeping: the actor feeds it what it receives and sends what it returns.
+
+    Demonstrations (``sft_groups``) go out first; training groups wait for the learner's first update after them
+    (its weights must reach the engine), then go out in order, at most ``max_groups_in_flight`` unfinished groups
+    at a time and never more than ``max_staleness`` steps ahead of the learner (:func:`may_issue`).
+    A resumed run continues with the groups of the first unfinished step; their ids carry the resume attempt
+    (``g00016-a1``), so a group id names one issue of one group in the event log.
+    """
+
+    planner: Planner
+    sft_planner: Planner
+    settings: SchedulerSettings
+    steps: int
+    groups_per_step: int
+    version: int = 0  # the newest policy version the learner announced
+    steps_done: int = 0  # RL steps the learner finished (PolicyUpdated.step)
+    attempt: int = 0  # resume attempt (0: the first run)
+    sft_issued: int = 0
+    train_issued: int = 0
+    warm: bool = False
+    in_flight: dict[str, int] = field(default_factory=dict)  # group -> rollouts not finished
+    # The current step's assignments: the planner is asked once per step, in order (its RNG depends on it).
+    _step_cache: dict[int, list[Assignment]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.warm = self.settings.sft_groups == 0
+
+    @property
+    def total(self) -> int:
+        return self.steps * self.groups_per_step
+
+    @property
+    def demonstrations(self) -> int:
+        return self.settings.sft_groups * self.settings.sft_group_size
+
+    def resume(self, steps_done: int, attempt: int) -> None:
+        """Continue after ``steps_done`` finished steps; replaying the planners keeps their task order."""
+        self.steps_done = steps_done
+        self.attempt = attempt
+        self.train_issued = min(self.total, steps_done * self.groups_per_step)
+        self.sft_issued = self.settings.sft_groups
+        self.warm = False  # wait for the learner's resumed weights to reach the engine
+        if self.sft_planner is self.planner:
+            for _ in range(self.settings.sft_groups):
+                self.planner.next_task()
+        for s in range(steps_done):
+            self.planner.step(s)
+
+    def finished(self, group_id: str) -> None:
+        """One rollout of ``group_id`` ended (RolloutFinished)."""
+        left = self.in_flight.get(group_id)
+        if left is not None:
+            if left <= 1:
+                del self.in_flight[group_id]
+            else:
+                self.in_flight[group_id] = left - 1
+
+    def updated(self, version: int, step: int) -> None:
+        """The learner published a policy (PolicyUpdated)."""
+        self.version = max(self.version, version)
+        self.steps_done = max(self.steps_done, step)
+        self.warm = True
+
+    @property
+    def done(self) -> bool:
+        return self.train_issued >= self.total and self.sft_issued >= self.settings.sft_groups
+
+    def next(self, max_staleness: int) -> list[Issue]:
+        """The groups that may go out now, in order (each is counted as in flight from here on)."""
+        s = self.settings
+        out: list[Issue] = []
+        pending: list[Assignment] = []
+        while len(self.in_flight) < s.max_groups_in_flight:
+            if self.sft_issued < s.sft_groups:
+                a = Assignment(self.sft_planner.next_task(), s.harness, -1)
+                out.append(self._take(f"sft{self.sft_issued:04d}", a, "sft", s.sft_group_size))
+                self.sft_issued += 1
+                continue
+            j = self.train_issued
+            if j >= self.total or not self.warm or not may_issue(j, self.steps_done, self.groups_per_step,
+                                                                 max_staleness):
+                break
+            if not pending:
+                pending = self._step_assignments(j // self.groups_per_step)[j % self.groups_per_step:]
+            suffix = f"-a{self.attempt}" if self.attempt else ""
+            out.append(self._take(f"g{j:05d}{suffix}", pending.pop(0), "train", s.group_size))
+            self.train_issued += 1
+        return out
+
+    def _step_assignments(self, step: int) -> list[Assignment]:
+        if step not in self._step_cache:
+            self._step_cache.clear()
+            self._step_cache[step] = self.planner.step(step)
+        return self._step_cache[step]
+
+    def _take(self, gid: str, a: Assignment, purpose: Purpose, size: int) -> Issue:
+        self.in_flight[gid] = size
+        return Issue(gid, a, purpose, size, self.demonstrations if purpose == "sft" else 0)
+
+    def metrics(self) -> dict[str, float]:
+        return {"groups_in_flight": len(self.in_flight), "groups_issued": self.train_issued,
+                "sft_groups_issued": self.sft_issued, "policy_version": self.version,
+                "learner_steps": self.steps_done}
+
+
+def rollout_requests(issue: Issue, settings: SchedulerSettings, version: int) -> list[RolloutRequest]:
+    """The group's RolloutRequests, each with its own fresh rollout token; demonstrations carry the oracle script."""
+    script = oracle_script(issue.assignment.task, issue.assignment.harness) if issue.purpose == "sft" else []
+    sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                              max_new_tokens=settings.max_new_tokens, seed=None)
+    a = issue.assignment
+    return [RolloutRequest(
+        rollout_id=f"{issue.group_id}-r{i}", group_id=issue.group_id, index=i, group_size=issue.size,
+        task_id=a.task.id, harness=a.harness, token="bridle-" + secrets.token_urlsafe(24), policy_version=version,
+        sampling=sampling, timeout_s=settings.timeout_s, purpose=issue.purpose, task_path=a.task.path,
+        script=script, demonstrations=issue.demonstrations,
+    ) for i in range(issue.size)]

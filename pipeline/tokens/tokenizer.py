@@ -162,7 +162,7 @@ class QwenTokenizer(Tokenizer):
         ``chat_template`` defaults to the Qwen3 template bridle renders with. Writing takes a few seconds (the BPE
         merges are derived from the ranks); use :func:`qwen_hf_folder` for a cached copy.
         """
-        from pipeline.tokens.render import QWEN3_CHAT_TEMPLATE
+        from pipeline.tokens.templates import QWEN3_CHAT_TEMPLATE
 
         template = QWEN3_CHAT_TEMPLATE if chat_template is None else chat_template
         out = Path(path)
@@ -282,7 +282,7 @@ def qwen_hf_folder(cache_dir: str | Path | None = None, chat_template: str | Non
     The cache key covers the vocabulary file, the chat template and the package version, so a changed template
     gives a new folder. Written to a temporary folder and renamed, so concurrent callers never see half a folder.
     """
-    from pipeline.tokens.render import QWEN3_CHAT_TEMPLATE
+    from pipeline.tokens.templates import QWEN3_CHAT_TEMPLATE
 
     template = QWEN3_CHAT_TEMPLATE if chat_template is None else chat_template
     vocab = _qwen_vocab_file()

@@ -29,7 +29,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -38,6 +38,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
+from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt
 from pipeline.core.logs import get_logger
 from pipeline.messages import TreeGroup
 from pipeline.training import advantages as adv
@@ -66,40 +67,41 @@ _TOKENIZER_FILES = (
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # optimizer and schedule
-    lr: float = 1e-6
-    weight_decay: float = 0.0
+    lr: PosFloat = 1e-6
+    weight_decay: NonNegFloat = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0
+    adam_eps: PosFloat = 1e-8
+    max_grad_norm: PosFloat = 1.0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0  # optimizer steps of linear warm-up
-    total_steps: int = 0  # optimizer steps the linear/cosine decay spans; required for those schedules
-    min_lr_ratio: float = 0.0
+    warmup_steps: NonNegInt = 0  # optimizer steps of linear warm-up
+    # Optimizer steps the linear/cosine decay spans. 0 in an experiment: [run].steps x epochs x minibatches (the
+    # learner actor fills it in); the Learner itself needs it > 0 for those schedules.
+    total_steps: NonNegInt = 0
+    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     # objective
     advantage: Literal["grpo", "ppo"] = "grpo"
-    grpo_eps: float = 1e-6
+    grpo_eps: PosFloat = 1e-6
     grpo_scale_by_std: bool = True
     train_statuses: list[str] = msgspec.field(default_factory=lambda: list(adv.DEFAULT_TRAIN_STATUSES))
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float = 2.0  # c_bar of token-level truncated importance sampling
-    kl_coef: float = 0.0  # k3 KL to the initial policy; a frozen copy is kept only when > 0
-    entropy_coef: float = 0.0
-    value_coef: float = 0.5  # PPO only
-    value_clip: float | None = 0.2
-    value_warmup_steps: int = 0  # PPO: first train_steps fit only the value head; the policy does not move
+    clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
+    clip_high: NonNegFloat = 0.28
+    tis_cap: PosFloat = 2.0  # c_bar of token-level truncated importance sampling
+    kl_coef: NonNegFloat = 0.0  # k3 KL to the initial policy; a frozen copy is kept only when > 0
+    entropy_coef: float = 0.0  # a bonus; negative penalizes entropy
+    value_coef: NonNegFloat = 0.5  # PPO only
+    value_clip: PosFloat | None = 0.2
+    value_warmup_steps: NonNegInt = 0  # PPO: first train_steps fit only the value head; the policy does not move
     value_trunk_grad: bool = False  # let the value loss reach the shared transformer (off: head only)
-    temperature: float = 1.0  # the sampling temperature pi_rollout's logprobs were taken at
-    epochs: int = 1
-    minibatches: int = 1
+    epochs: PosInt = 1
+    minibatches: PosInt = 1
     # token_mean: every trainable token weighs the same, so long rollouts weigh more. seq_mean_token_mean: every
     # rollout weighs the same; with many long failing samples (a small policy's garbage runs to max_new_tokens)
     # token_mean tilts each step towards pushing logits down, which lifts every other token and can end in a
     # uniform policy — the per-rollout mean keeps a group's advantages summing to zero.
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     # compute
-    micro_batch_tokens: int = 16384
-    logits_chunk: int = 4096  # rows of (rows x vocab) logits materialized at once
+    micro_batch_tokens: PosInt = 16384
+    logits_chunk: PosInt = 4096  # rows of (rows x vocab) logits materialized at once
     # auto: flex on CUDA, dense otherwise. flex runs forward-only on CPU (inductor; torch has no CPU backward);
     # reference runs every root-to-leaf path as its own sequence and is for tests.
     attention: Literal["auto", "flex", "dense", "reference"] = "auto"
@@ -107,19 +109,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False
     seed: int = 0
-    initial_version: int = 0
-
-    def __post_init__(self) -> None:
-        if self.schedule != "constant" and self.total_steps <= 0:
-            raise ValueError(f"LearnerConfig.total_steps must be > 0 for schedule={self.schedule!r}")
-        if self.epochs < 1 or self.minibatches < 1:
-            raise ValueError("LearnerConfig.epochs and LearnerConfig.minibatches must be >= 1")
-        if self.micro_batch_tokens < 1:
-            raise ValueError("LearnerConfig.micro_batch_tokens must be >= 1")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError("LearnerConfig.clip_low must be in [0, 1) and clip_high >= 0")
-        if self.tis_cap <= 0:
-            raise ValueError("LearnerConfig.tis_cap must be > 0")
+    initial_version: NonNegInt = 0
 
 
 class PolicyValue(nn.Module):
@@ -144,7 +134,7 @@ class PolicyValue(nn.Module):
         attention_mask: Any,
         rows: torch.Tensor,
         targets: torch.Tensor,
-        temperature: float = 1.0,
+        temperature: float | torch.Tensor = 1.0,
         logits_chunk: int = 4096,
         values: Literal["none", "detached", "attached"] = "none",
     ) -> dict[str, torch.Tensor]:
@@ -173,6 +163,7 @@ class _Tree:
     logp_rollout: np.ndarray
     n_rollouts: int
     reward_mean: float
+    temperature: float  # the group's sampling temperature (1 for SFT: plain NLL)
 
 
 @dataclass
@@ -182,7 +173,19 @@ class _Micro:
     score: np.ndarray
     weight: np.ndarray
     logp_rollout: np.ndarray
+    temperature: np.ndarray  # per target
     old: dict[str, torch.Tensor] = field(default_factory=dict)  # logp / value under pi_old, logp under pi_ref
+
+
+def load_policy(path: str | os.PathLike[str], config: LearnerConfig) -> nn.Module:
+    """The causal LM in a HF folder, in the config's parameter dtype (the slow part of building a Learner)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Learner model path {path} does not exist")
+    dtype = torch.float32 if config.param_dtype == "float32" else torch.bfloat16
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 class Learner:
@@ -193,8 +196,11 @@ class Learner:
         model: str | os.PathLike[str] | nn.Module,
         config: LearnerConfig | None = None,
         accelerator: Accelerator | None = None,
+        model_path: str | os.PathLike[str] | None = None,  # with a module: the folder it came from (tokenizer files)
     ):
         self.config = cfg = config or LearnerConfig()
+        if cfg.schedule != "constant" and cfg.total_steps <= 0:
+            raise ValueError(f"LearnerConfig.total_steps must be > 0 for schedule={cfg.schedule!r}")
         if accelerator is None:
             mp = cfg.mixed_precision
             if mp == "auto":
@@ -208,16 +214,12 @@ class Learner:
         impl = "flex_attention" if self.attention == "flex" else "sdpa"
         dtype = torch.float32 if cfg.param_dtype == "float32" else torch.bfloat16
 
-        self.model_path: Path | None = None
+        self.model_path: Path | None = Path(model_path) if model_path is not None else None
         if isinstance(model, nn.Module):
             policy = model
         else:
-            from transformers import AutoModelForCausalLM
-
             self.model_path = Path(model)
-            if not self.model_path.exists():
-                raise FileNotFoundError(f"Learner model path {self.model_path} does not exist")
-            policy = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+            policy = load_policy(self.model_path, cfg)
         policy.to(dtype)
         policy.set_attn_implementation(impl)
         if cfg.gradient_checkpointing:
@@ -389,6 +391,7 @@ class Learner:
             logp_rollout=arrays.logprobs[targets],
             n_rollouts=len(group.rollouts),
             reward_mean=float(rewards.mean()) if rewards.size else 0.0,
+            temperature=1.0 if sft else float(group.temperature),
         )
 
     def _micro_batches(self, trees: list[_Tree]) -> list[_Micro]:
@@ -418,6 +421,8 @@ class Learner:
                     score=np.concatenate([t.score[k] for (t, _, _), k in zip(b, keep)]),
                     weight=np.concatenate([t.weight[k] for (t, _, _), k in zip(b, keep)]),
                     logp_rollout=np.concatenate([t.logp_rollout[k] for (t, _, _), k in zip(b, keep)]),
+                    temperature=np.concatenate(
+                        [np.full(int(k.sum()), t.temperature, np.float32) for (t, _, _), k in zip(b, keep)]),
                 )
             )
         return micros
@@ -471,10 +476,16 @@ class Learner:
         cfg = self.config
         return self.net(
             **self._inputs(mb.forest, mb.targets),
-            temperature=cfg.temperature,
+            temperature=self._temperature(mb),
             logits_chunk=cfg.logits_chunk,
             values=values,
         )
+
+    def _temperature(self, mb: _Micro) -> float | torch.Tensor:
+        """One value when the whole micro-batch shares it (the usual case), else one per target row."""
+        if mb.temperature.size and (mb.temperature == mb.temperature[0]).all():
+            return float(mb.temperature[0])
+        return torch.as_tensor(mb.temperature, device=self.accelerator.device)
 
     @torch.no_grad()
     def _fill_old(self, mbs: list[_Micro], need_logp: bool) -> None:
@@ -501,7 +512,7 @@ class Learner:
                         h,
                         self.reference.get_output_embeddings(),
                         inputs["targets"],
-                        self.config.temperature,
+                        self._temperature(mb),
                         self.config.logits_chunk,
                         with_entropy=False,
                     )

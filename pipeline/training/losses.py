@@ -68,11 +68,13 @@ def logprobs_and_entropy(
     hidden: torch.Tensor,
     lm_head: torch.nn.Module,
     targets: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     chunk: int = 4096,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(lm_head(h) / T)[target] and the entropy, for rows of hidden states, in row chunks.
+
+    ``temperature`` is one value, or one per row (rows of groups sampled at different temperatures).
 
     The full (rows, vocab) logits of a long tree would not fit (28k rows x 152k vocab is 17 GB in float32), so each
     chunk is recomputed in the backward pass (activation checkpointing) instead of being kept.
@@ -83,22 +85,24 @@ def logprobs_and_entropy(
     logps, ents = [], []
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
+        temp = temperature[start : start + chunk, None] if isinstance(temperature, torch.Tensor) else temperature
         if torch.is_grad_enabled() and h.requires_grad:
             lp, ent = torch.utils.checkpoint.checkpoint(
-                _chunk_logprobs, h, t, lm_head, temperature, with_entropy, use_reentrant=False
+                _chunk_logprobs, h, t, lm_head, temp, with_entropy, use_reentrant=False
             )
         else:
-            lp, ent = _chunk_logprobs(h, t, lm_head, temperature, with_entropy)
+            lp, ent = _chunk_logprobs(h, t, lm_head, temp, with_entropy)
         logps.append(lp)
         ents.append(ent)
     return torch.cat(logps), torch.cat(ents)
 
 
 def _chunk_logprobs(
-    h: torch.Tensor, t: torch.Tensor, lm_head: torch.nn.Module, temperature: float, with_entropy: bool
+    h: torch.Tensor, t: torch.Tensor, lm_head: torch.nn.Module, temperature: float | torch.Tensor,
+    with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = lm_head(h).float()
-    if temperature != 1.0:
+    if isinstance(temperature, torch.Tensor) or temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, t[:, None]).squeeze(-1) - logz

@@ -12,7 +12,7 @@ BASE = """
 [experiment]
 name = "t"
 [graph]
-actors = { source = "toy.source", scale = "toy.scale", sink = "toy.sink" }
+actors = { source = "actors.toy:Source", scale = "actors.toy:Scale", sink = "actors.toy:Sink" }
 edges = ["source.out -> scale", "scale.out -> sink"]
 [source]
 count = 3
@@ -63,7 +63,7 @@ def test_graph_errors(tmp_path):
     with pytest.raises(cfg.ConfigError, match="not of the form"):
         load(tmp_path, BASE.replace('"scale.out -> sink"', '"scale -> sink"'))
     with pytest.raises(cfg.ConfigError, match='unknown actor kind "toy.nope"'):
-        load(tmp_path, BASE.replace('sink = "toy.sink"', 'sink = "toy.nope"'))
+        load(tmp_path, BASE.replace('sink = "actors.toy:Sink"', 'sink = "toy.nope"'))
     with pytest.raises(cfg.ConfigError, match="not valid TOML"):
         load(tmp_path, BASE + "\n[[[")
 
@@ -108,3 +108,102 @@ def test_every_shipped_experiment_validates():
     for path in sorted(cfg.CONFIG_DIR.glob("*.toml")):
         exp = cfg.load_experiment(path, resolve)
         assert exp.graph.actors, path
+
+
+# ------------------------------------------------------------------------ bounds and cross-section checks
+def quickstart(overrides=()):
+    return cfg.load_experiment("quickstart", resolve, list(overrides))
+
+
+@pytest.mark.parametrize(("override", "field", "bound"), [
+    ("run.groups_per_step=0", "[run].groups_per_step", ">= 1"),
+    ("run.steps=-1", "[run].steps", ">= 0"),
+    ("sandbox.concurrency=0", "[sandbox].concurrency", ">= 1"),
+    ("sandbox.concurrency=-3", "[sandbox].concurrency", ">= 1"),
+    ("scheduler.group_size=0", "[scheduler].group_size", ">= 1"),
+    ("scheduler.temperature=-1.0", "[scheduler].temperature", ">= 0"),
+    ("scheduler.timeout_s=0", "[scheduler].timeout_s", "> 0"),
+    ("scheduler.max_groups_in_flight=0", "[scheduler].max_groups_in_flight", ">= 1"),
+    ("learner.train.lr=-1e-3", "[learner].train.lr", "> 0"),
+    ("learner.sft.lr=0", "[learner].sft.lr", "> 0"),
+    ("collector.settle_interval_s=0", "[collector].settle_interval_s", "> 0"),
+    ("proxy.keepalive_s=30", "[proxy].keepalive_s", "<= 15"),
+    ("graph.queue_size=0", "[graph].queue_size", ">= 1"),
+])
+def test_numeric_bounds_name_the_field(override, field, bound):
+    with pytest.raises(cfg.ConfigError) as e:
+        quickstart([override])
+    msg = str(e.value)
+    assert f"--set {override}" in msg and field in msg and bound in msg, msg
+
+
+def test_cross_section_checks_name_both_fields():
+    with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].max_new_tokens = 4096 .*\[proxy\].context_len = 2048"):
+        quickstart(["scheduler.max_new_tokens=4096"])
+    with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].group_size = 1 .*\[learner.train\].advantage"):
+        quickstart(["scheduler.group_size=1"])
+    quickstart(["scheduler.group_size=1", 'learner.train.advantage="ppo"'])  # PPO needs no group
+    with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].tasks: task folder '/no/such' does not exist"):
+        quickstart(['scheduler.tasks.tasks="/no/such"'])
+    with pytest.raises(cfg.ConfigError, match=r"unknown built-in task families \['nope'\]"):
+        quickstart(['scheduler.tasks.tasks="builtin:nope"'])
+    with pytest.raises(cfg.ConfigError, match=r"\[run\].model: the embedded engine .*serves the policy"):
+        quickstart(['run.model=""'])
+
+
+def test_moved_fields_are_refused_with_their_new_place():
+    with pytest.raises(cfg.ConfigError, match=r"\[learner\].steps -> \[run\].steps"):
+        quickstart(["learner.steps=3"])
+    with pytest.raises(cfg.ConfigError, match=r"\[proxy\].engine.model -> \[run\].model"):
+        quickstart(['proxy.engine.model="/m"'])
+    with pytest.raises(cfg.ConfigError, match=r"\[learner\].sft_packs \(derived now"):
+        quickstart(["learner.sft_packs=3"])
+
+
+LEGACY = """
+[experiment]
+name = "old"
+[experiment.build_model]
+path = "/models/m"
+[graph]
+actors = { scheduler = "scheduler", proxy = "proxy", learner = "learner" }
+[scheduler]
+steps = 7
+groups_per_step = 3
+max_staleness = 2
+[proxy.engine]
+kind = "scripted"
+script = "configs/scripts/hello.json"
+model = "/models/m"
+[learner]
+model = "/models/m"
+steps = 7
+groups_per_step = 3
+sft_packs = 4
+[learner.train]
+temperature = 1.0
+"""
+
+
+def test_a_legacy_layout_is_migrated_once_into_run(tmp_path):
+    exp = load(tmp_path, LEGACY)
+    assert (exp.run.model, exp.run.steps, exp.run.groups_per_step, exp.run.max_staleness) == ("/models/m", 7, 3, 2)
+    assert exp.notes and "[scheduler].steps -> [run].steps" in exp.notes[0] and "sft_packs dropped" in exp.notes[0]
+    again = cfg.load_experiment(write(tmp_path, exp.to_toml(), "again.toml"), resolve)  # what a run records reads back as is
+    assert again.run == exp.run and not again.notes
+    # --set works on a legacy file, in the new place
+    assert load(tmp_path, LEGACY, ["run.steps=2"]).run.steps == 2
+
+
+def test_legacy_copies_that_disagree_are_an_error_naming_both(tmp_path):
+    with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].groups_per_step = 3 but \[learner\].groups_per_step = 4"):
+        load(tmp_path, LEGACY.replace("steps = 7\ngroups_per_step = 3\nsft_packs", "steps = 7\ngroups_per_step = 4\nsft_packs"))
+
+
+def test_run_reload_is_offered_to_every_actor(tmp_path):
+    base = BASE + "\n[run]\nmax_staleness = 1\n"
+    old = load(tmp_path, base)
+    d = cfg.diff(old, load(tmp_path, base.replace("max_staleness = 1", "max_staleness = 3")))
+    assert d.changes == {"run": {"max_staleness": 3}} and not d.refused
+    d = cfg.diff(old, load(tmp_path, base + "steps = 4\n"))
+    assert d.refused == ["[run].steps"]

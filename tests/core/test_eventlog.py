@@ -1,12 +1,15 @@
-"""Event log: write/read, a cut last frame, offsets, the async tap."""
+"""Event log: write/read, a cut last frame, damage detected by the frame checks, schema-1 logs, offsets, the tap."""
 
+import random
 import struct
 
 import anyio
+import msgspec
 import pytest
 
 from pipeline.core.eventlog import (
     MAGIC,
+    MAGIC_V1,
     AsyncEventLog,
     EventLogError,
     EventLogReader,
@@ -14,11 +17,35 @@ from pipeline.core.eventlog import (
     LogHeader,
     summarize,
 )
-from pipeline.messages import Metric, ModelCall, Note, PolicyUpdated, RolloutFinished, ids, pack_f32, pack_i32
+from pipeline.messages import (
+    SCHEMA_VERSION,
+    Event,
+    Metric,
+    ModelCall,
+    Note,
+    PolicyUpdated,
+    RolloutFinished,
+    ids,
+    pack_f32,
+    pack_i32,
+)
+
+HEAD = 12  # u32 length, u32 ~length, u32 crc32
 
 
 def header(**kw):
-    return LogHeader(schema_version=1, run_id="run-1", created=0.0, experiment="t", config={"a": {"b": 1}}, **kw)
+    return LogHeader(schema_version=SCHEMA_VERSION, run_id="run-1", created=0.0, experiment="t",
+                     config={"a": {"b": 1}}, **kw)
+
+
+def frames(data: bytes) -> list[tuple[int, int]]:
+    """(offset, payload length) of every frame after the magic, header frame first."""
+    out, off = [], len(MAGIC)
+    while off < len(data):
+        (n,) = struct.unpack_from("<I", data, off)
+        out.append((off, n))
+        off += HEAD + n
+    return out
 
 
 def write(path, msgs):
@@ -51,48 +78,105 @@ def test_refuses_existing_file(tmp_path):
         EventLogWriter(p, header())
 
 
-@pytest.mark.parametrize("cut", [1, 3, 4, 5, 10])
+@pytest.mark.parametrize("cut", [1, 3, 4, 5, 10, 12, 13])
 def test_truncated_last_frame_is_reported_and_nothing_earlier_is_lost(tmp_path, cut):
     p = tmp_path / "events.msgpack"
     msgs = [Note(seq=i, value="x" * 20) for i in range(50)]
     write(p, msgs)
     data = p.read_bytes()
-    # cut inside the last frame (its length prefix or its body)
-    last_len = struct.unpack_from("<I", data, len(data) - 4 - len(_last_frame_body(data)))[0]
-    assert last_len == len(_last_frame_body(data))
+    off, n = frames(data)[-1]
+    assert off + HEAD + n == len(data) and cut <= HEAD + n  # the cut lands inside the last frame
     p.write_bytes(data[:-cut])
     r = EventLogReader(p)
     got = [e.msg for e in r]
     assert got == msgs[:-1]
-    assert r.report.truncated_at is not None
+    assert r.report.truncated_at == off
     assert "stops there" in r.report.problem
     s = summarize(p)
     assert s.events == 49 and s.truncated_at is not None
 
 
-def _last_frame_body(data):
-    off = len(MAGIC)
-    last = None
-    while off < len(data):
-        (n,) = struct.unpack_from("<I", data, off)
-        last = data[off + 4: off + 4 + n]
-        off += 4 + n
-    return last
+def test_reopen_truncates_exactly_the_cut_tail(tmp_path):
+    p = tmp_path / "events.msgpack"
+    write(p, [Note(seq=i) for i in range(10)])
+    data = p.read_bytes()
+    off, _n = frames(data)[-1]
+    p.write_bytes(data[:-3])
+    w = EventLogWriter.reopen(p)
+    assert w.truncated_bytes == len(data) - 3 - off
+    w.append("a.out", Note(seq=99))
+    w.close()
+    assert [e.msg.seq for e in EventLogReader(p)] == [*range(9), 99]
 
 
-def test_garbage_in_the_middle_is_an_error_not_silence(tmp_path):
+def test_damaged_payload_in_the_middle_is_an_error_not_silence(tmp_path):
     p = tmp_path / "events.msgpack"
     write(p, [Note(seq=i) for i in range(10)])
     data = bytearray(p.read_bytes())
-    # corrupt a frame body in the middle (keep lengths) -> that is damage, not a crash mid-write
-    off = len(MAGIC)
-    for _ in range(5):
-        (n,) = struct.unpack_from("<I", data, off)
-        off += 4 + n
-    data[off + 4: off + 8] = b"\xc1\xc1\xc1\xc1"
+    off, _n = frames(bytes(data))[5]
+    data[off + HEAD + 2] ^= 0x01  # one bit of a payload: still decodes, but the CRC catches it
     p.write_bytes(bytes(data))
-    with pytest.raises(EventLogError, match="does not decode"):
+    with pytest.raises(EventLogError, match=f"frame at byte {off} is damaged .checksum"):
         list(EventLogReader(p))
+
+
+def test_a_flipped_length_bit_is_damage_and_resume_does_not_truncate(tmp_path):
+    """One flipped bit in a length field used to read as "the last frame is cut", and --resume then cut the log to
+    half its size. The length's complement makes it damage: reading and reopening both refuse, nothing is cut."""
+    p = tmp_path / "events.msgpack"
+    write(p, [Note(seq=i, value="y" * 30) for i in range(40)])
+    data = bytearray(p.read_bytes())
+    off, _n = frames(bytes(data))[20]
+    data[off + 3] ^= 0x10  # a high bit of frame 20's length: it now points far past the end of the file
+    p.write_bytes(bytes(data))
+    with pytest.raises(EventLogError, match=f"frame at byte {off} is damaged .its length"):
+        list(EventLogReader(p))
+    with pytest.raises(EventLogError):
+        EventLogWriter.reopen(p)
+    assert p.read_bytes() == bytes(data)
+
+
+def test_random_overwrites_never_replay_silently(tmp_path):
+    """64 random bytes written over a random place: either the reader raises, or (inside the last frame only) it
+    stops before that frame; it never yields a message that was not written."""
+    p = tmp_path / "events.msgpack"
+    msgs = [Note(seq=i, value="z" * 40) for i in range(60)]
+    write(p, msgs)
+    clean = p.read_bytes()
+    first_event = frames(clean)[1][0]
+    rng = random.Random(7)
+    for _ in range(40):
+        data = bytearray(clean)
+        at = rng.randrange(first_event, len(data) - 64)
+        data[at:at + 64] = rng.randbytes(64)
+        p.write_bytes(bytes(data))
+        try:
+            got = [e.msg for e in EventLogReader(p)]
+        except EventLogError:
+            continue
+        assert got == msgs[:len(got)] and len(got) < len(msgs)
+
+
+def test_garbage_header_is_a_clear_error(tmp_path):
+    p = tmp_path / "events.msgpack"
+    body = b"\xc1\xc1\xc1"
+    p.write_bytes(MAGIC + struct.pack("<III", len(body), len(body) ^ 0xFFFFFFFF, __import__("zlib").crc32(body))
+                  + body)
+    with pytest.raises(EventLogError, match="header frame does not decode"):
+        EventLogReader(p)
+
+
+def test_schema_1_logs_are_still_read(tmp_path):
+    """Logs written before the frame checks: magic BRDLLOG1, u32 length + payload."""
+    enc = msgspec.msgpack.encode
+    h = enc(LogHeader(schema_version=1, run_id="old", created=0.0))
+    evs = [enc(Event(t=float(i), src="a.out", msg=Note(seq=i))) for i in range(5)]
+    p = tmp_path / "old.msgpack"
+    p.write_bytes(MAGIC_V1 + b"".join(struct.pack("<I", len(x)) + x for x in [h, *evs]))
+    r = EventLogReader(p)
+    assert r.version == 1 and [e.msg.seq for e in r] == list(range(5))
+    with pytest.raises(EventLogError, match="cannot be appended to"):
+        EventLogWriter.reopen(p)
 
 
 def test_not_a_log(tmp_path):

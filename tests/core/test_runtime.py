@@ -23,7 +23,7 @@ def toy(tmp_path, count=20, extra=None, **sink):
     d = {
         "experiment": {"name": "toy", "runs_dir": str(tmp_path / "runs")},
         "graph": {
-            "actors": {"source": "toy.source", "scale": "toy.scale", "sink": "toy.sink"},
+            "actors": {"source": "actors.toy:Source", "scale": "actors.toy:Scale", "sink": "actors.toy:Sink"},
             "edges": ["source.out -> scale", "scale.out -> sink"],
             "queue_size": 4,
         },

@@ -17,7 +17,7 @@ EXP = """
 [experiment]
 name = "live"
 [graph]
-actors = {{ source = "toy.source", scale = "toy.scale", sink = "toy.sink" }}
+actors = {{ source = "actors.toy:Source", scale = "actors.toy:Scale", sink = "actors.toy:Sink" }}
 edges = ["source.out -> scale", "scale.out -> sink"]
 queue_size = 4
 [source]
@@ -152,3 +152,57 @@ def test_run_then_replay_summary_and_stage(tmp_path):
 def test_usage_errors(args):
     r = subprocess.run(RUN + args, capture_output=True, text=True, cwd=ROOT, check=False)
     assert r.returncode == 2
+
+
+SHORT = [  # the quickstart cut to seconds: a small model, 8 demonstrations, one RL step of 2 groups of 2
+    "experiment.build_model.tasks=20", "scheduler.sft_groups=8", "tree.sft_pack=4", "learner.sft_epochs=1",
+    "run.steps=1", "run.groups_per_step=2", "scheduler.group_size=2", "scheduler.tasks.count=10",
+    'monitor.display="off"',
+]
+
+
+@pytest.mark.slow
+def test_every_help_example_runs(tmp_path):
+    """Each example `python run.py --help` prints runs as printed: runs shortened with --set, the rest as is."""
+    sys.path.insert(0, str(ROOT))
+    from run import EXAMPLES
+    from tests.helpers.ci import require
+    from tests.helpers.docker import docker_available
+
+    run_dir = tmp_path / "run"
+    short = [a for s in [*SHORT, f'run.model="{tmp_path / "model"}"'] for a in ("--set", s)]
+
+    def sub(cmd: str) -> list[str]:
+        args = cmd.split()[2:]  # drop "python run.py"
+        return [str(run_dir) if a == "RUN_DIR" else str(run_dir / "events.msgpack") if a == "LOG" else a
+                for a in args]
+
+    def call(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run(RUN + args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+
+    seen = set()
+    for cmd, _what in EXAMPLES:  # in order: the first run makes RUN_DIR for the others
+        args = sub(cmd)
+        if args == ["--experiment", "quickstart"]:
+            r = call(args + ["--run-dir", str(run_dir), "--no-watch", *short])
+        elif args[0] == "--experiment" and "--validate" not in args:
+            r = call(args + ["--validate"])  # the same file and overrides as a full run would read
+        elif args[0] == "--serve":
+            proc = subprocess.Popen(RUN + args + ["--run-dir", str(tmp_path / "serve")], cwd=ROOT, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            line = proc.stdout.readline()
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+            assert "openai_base_url" in json.loads(line), line
+            seen.add(cmd)
+            continue
+        elif args[0] == "--build-images":
+            require(docker_available(), "no Docker engine for --build-images")
+            r = call(args, timeout=1800)
+        elif "--stage" in args:
+            r = call(args + ["--run-dir", str(tmp_path / f"replay-{args[-1]}")])
+        else:
+            r = call(args)
+        assert r.returncode == 0, f"{cmd}\n{r.stderr[-3000:]}"
+        seen.add(cmd)
+    assert seen == {c for c, _ in EXAMPLES}

@@ -30,10 +30,10 @@ def test_engine_500_and_killed_sandbox_do_not_stop_the_run(tmp_path):
     model = tmp_path / "model"
     run_dir = tmp_path / "run"
     sets = [
-        f'experiment.build_model.path="{model}"', "experiment.build_model.tasks=20",
-        'proxy.engine.kind="scripted"', f'proxy.engine.script="{script}"', f'learner.model="{model}"',
-        "scheduler.sft_groups=0", "learner.sft_packs=0", "scheduler.steps=3", "learner.steps=3",
-        "scheduler.group_size=2", "scheduler.groups_per_step=2", "learner.groups_per_step=2",
+        f'run.model="{model}"', "experiment.build_model.tasks=20",
+        'proxy.engine.kind="scripted"', f'proxy.engine.script="{script}"',
+        "scheduler.sft_groups=0", "run.steps=3",
+        "scheduler.group_size=2", "run.groups_per_step=2",
         "scheduler.tasks.count=10", 'monitor.display="off"',
     ]
     args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]

@@ -25,11 +25,10 @@ def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):
     model = tmp_path / "model"
     run_dir = tmp_path / "run"
     sets = [
-        f'experiment.build_model.path="{model}"', "experiment.build_model.tasks=60",
-        f'proxy.engine.model="{model}"', f'learner.model="{model}"',
-        "scheduler.sft_groups=16", "tree.sft_pack=8", "learner.sft_packs=2", "learner.sft_epochs=2",
-        "scheduler.steps=2", "learner.steps=2", "scheduler.group_size=3", "scheduler.groups_per_step=2",
-        "learner.groups_per_step=2", "scheduler.tasks.count=40", "monitor.display=\"off\"",
+        f'run.model="{model}"', "experiment.build_model.tasks=60",
+        "scheduler.sft_groups=16", "tree.sft_pack=8", "learner.sft_epochs=2",
+        "run.steps=2", "scheduler.group_size=3", "run.groups_per_step=2", "scheduler.tasks.count=40",
+        'monitor.display="off"',
     ]
     args = ["--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
     for s in sets:
@@ -82,10 +81,9 @@ def test_kill_9_then_resume_neither_repeats_nor_skips_a_step(tmp_path):
     model = tmp_path / "model"
     run_dir = tmp_path / "run"
     sets = [
-        f'experiment.build_model.path="{model}"', "experiment.build_model.tasks=60",
-        f'proxy.engine.model="{model}"', f'learner.model="{model}"',
-        "scheduler.sft_groups=0", "learner.sft_packs=0", "scheduler.steps=4", "learner.steps=4",
-        "scheduler.group_size=2", "scheduler.groups_per_step=2", "learner.groups_per_step=2",
+        f'run.model="{model}"', "experiment.build_model.tasks=60",
+        "scheduler.sft_groups=0", "run.steps=4",
+        "scheduler.group_size=2", "run.groups_per_step=2",
         "scheduler.tasks.count=20", "monitor.display=\"off\"", "learner.checkpoint_every=1",
     ]
     args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]

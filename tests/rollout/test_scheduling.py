@@ -66,3 +66,75 @@ def test_staleness_bound():
     assert may_issue(8, 1, 4, 1) and not may_issue(12, 1, 4, 1)
     # synchronous: only the current step's groups
     assert [may_issue(j, 0, 4, 0) for j in (0, 3, 4)] == [True, True, False]
+
+
+# ------------------------------------------------------------------------------------------------ the Issuer
+def issuer(tasks, **kw):
+    from pipeline.rollout.scheduling import Issuer, SchedulerSettings
+
+    steps = kw.pop("steps", 3)
+    gps = kw.pop("groups_per_step", 2)
+    s = SchedulerSettings(**{"group_size": 2, "max_groups_in_flight": 10, **kw})
+    planner = Planner(tasks, "single", s.harness, [], 2, gps, seed=0)
+    return Issuer(planner, planner, s, steps=steps, groups_per_step=gps)
+
+
+def ids_of(issues):
+    return [i.group_id for i in issues]
+
+
+def test_issuer_bounds_by_staleness_and_frees_slots(tasks):
+    iss = issuer(tasks, steps=3, groups_per_step=2)
+    # staleness 1: steps 0 and 1 may run ahead of a learner that has done nothing (groups 0..3)
+    assert ids_of(iss.next(max_staleness=1)) == ["g00000", "g00001", "g00002", "g00003"]
+    assert iss.next(max_staleness=1) == []
+    iss.updated(version=1, step=1)
+    assert ids_of(iss.next(max_staleness=1)) == ["g00004", "g00005"]
+    assert iss.done
+    assert iss.in_flight == {f"g{j:05d}": 2 for j in range(6)}
+    iss.finished("g00000")
+    iss.finished("g00000")
+    assert "g00000" not in iss.in_flight
+
+
+def test_issuer_in_flight_bound(tasks):
+    iss = issuer(tasks, max_groups_in_flight=1, steps=2)
+    assert ids_of(iss.next(max_staleness=5)) == ["g00000"]
+    assert iss.next(max_staleness=5) == []
+    iss.finished("g00000")
+    iss.finished("g00000")
+    assert ids_of(iss.next(max_staleness=5)) == ["g00001"]
+
+
+def test_demonstrations_first_then_training_waits_for_the_first_update(tasks):
+    iss = issuer(tasks, sft_groups=3, sft_group_size=1, steps=1)
+    out = iss.next(max_staleness=1)
+    assert ids_of(out) == ["sft0000", "sft0001", "sft0002"]
+    assert {i.purpose for i in out} == {"sft"} and {i.demonstrations for i in out} == {3}
+    assert iss.next(max_staleness=1) == []  # the SFT weights must reach the engine first
+    iss.updated(version=4, step=0)
+    out = iss.next(max_staleness=1)
+    assert ids_of(out) == ["g00000", "g00001"] and {i.purpose for i in out} == {"train"}
+
+
+def test_resume_continues_the_task_order_with_new_group_ids(tasks):
+    full = [i.assignment.task.id for i in issuer(tasks, steps=3).next(max_staleness=5)]
+    resumed = issuer(tasks, steps=3)
+    resumed.resume(steps_done=1, attempt=2)
+    assert resumed.next(max_staleness=5) == []  # waits for the resumed weights
+    resumed.updated(version=1, step=1)
+    out = resumed.next(max_staleness=5)
+    assert ids_of(out) == ["g00002-a2", "g00003-a2", "g00004-a2", "g00005-a2"]
+    assert [i.assignment.task.id for i in out] == full[2:]
+
+
+def test_requests_carry_sampling_purpose_and_fresh_tokens(tasks):
+    from pipeline.rollout.scheduling import rollout_requests
+
+    iss = issuer(tasks, temperature=0.7, max_new_tokens=33, sft_groups=1, sft_group_size=2)
+    demo = iss.next(max_staleness=1)[0]
+    reqs = rollout_requests(demo, iss.settings, version=0)
+    assert [r.rollout_id for r in reqs] == ["sft0000-r0", "sft0000-r1"]
+    assert len({r.token for r in reqs}) == 2 and all(len(r.token) > 30 for r in reqs)
+    assert all(r.script and r.purpose == "sft" and r.demonstrations == 2 for r in reqs)
+    assert reqs[0].sampling.temperature == 0.7 and reqs[0].sampling.max_new_tokens == 33

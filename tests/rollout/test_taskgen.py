@@ -63,6 +63,7 @@ def _check_families(tmp_path: Path, seeds: range) -> None:
     assert {t.family for t in tasks} == set(FAMILIES) and len(results) == len(FAMILIES) * len(seeds)
 
 
+@pytest.mark.slow
 def test_every_family_oracle_1_untouched_0(tmp_path):
     _check_families(tmp_path, range(SEEDS_PER_FAMILY))
 

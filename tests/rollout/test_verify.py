@@ -113,6 +113,7 @@ def test_nonzero_exit_with_reward_is_ok(tmp_path):
     assert (r.status, r.reward, r.exit_code) == ("ok", 0.5, 4)
 
 
+@pytest.mark.slow
 def test_timeout_kills_process_group(tmp_path):
     marker = tmp_path / "survivor"
     sh = LOGS + f'(sleep 3; touch {marker}) &\nsleep 30\necho 1 > "$L/reward.txt"\n'
@@ -122,6 +123,7 @@ def test_timeout_kills_process_group(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_background_children_do_not_outlive_a_normal_exit(tmp_path):
     marker = tmp_path / "survivor"
     sh = LOGS + f'(sleep 2; touch {marker}) &\necho 1 > "$L/reward.txt"\n'

@@ -341,6 +341,7 @@ def check_realizations(config: HarnessConfig, evs: list[dict], ws: Path) -> None
         assert end["segments"] >= 2
 
 
+@pytest.mark.slow
 def test_every_configuration_runs_a_scripted_episode(tmp_path, monkeypatch):
     policy = ScriptedPolicy()
     with FakeOpenAI(policy) as fake:

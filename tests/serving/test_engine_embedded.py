@@ -22,6 +22,8 @@ from pipeline.serving.engine import EngineBadRequest, GenerateResult, Sampling
 from pipeline.serving.launch import start_embedded_engine
 from pipeline.serving.sglang_client import HttpEngine
 
+pytestmark = pytest.mark.slow  # every test starts the engine process
+
 CONTEXT = 512
 WORDS = list(range(2000, 2090))
 UNKNOWN_ID = 99_999  # a real Qwen id that is not in the table: maps to the UNK slot

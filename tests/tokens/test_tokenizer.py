@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.tokens.render import QWEN3_CHAT_TEMPLATE
+from pipeline.tokens.templates import QWEN3_CHAT_TEMPLATE
 from pipeline.tokens.tokenizer import HFTokenizer, QwenTokenizer, load_tokenizer, qwen_hf_folder
 
 SPECIALS = {
@@ -103,6 +103,7 @@ def test_hf_folder_loads_with_transformers(hf):
     assert hf.stop_ids[0] == 151645
 
 
+@pytest.mark.slow
 def test_hf_folder_is_cached(tmp_path):
     a = qwen_hf_folder(cache_dir=tmp_path)
     b = qwen_hf_folder(cache_dir=tmp_path)

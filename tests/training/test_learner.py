@@ -48,13 +48,17 @@ def _random_groups(seed: int) -> list[TreeGroup]:
     return groups
 
 
+# Sampling temperature of the groups per case (TreeGroup.temperature); 1 unless given. Group 1 of the mixed case
+# is sampled at another temperature than group 0, so one micro-batch holds rows of both.
+TEMPERATURES = {"grpo_kl_entropy_T": (0.8, 0.8), "grpo_mixed_T": (0.8, 1.3)}
+
 CASES = {
     "grpo": {"advantage": "grpo"},
+    "grpo_mixed_T": {"advantage": "grpo", "kl_coef": 0.1},
     "grpo_kl_entropy_T": {
         "advantage": "grpo",
         "kl_coef": 0.1,
         "entropy_coef": 0.01,
-        "temperature": 0.8,
         "tis_cap": 1.5,
     },
     "ppo": {"advantage": "ppo", "value_trunk_grad": True},
@@ -69,6 +73,8 @@ def test_packed_tree_equals_path_expanded_reference(case, seed):
     """Loss and every gradient on the packed tree (dense mask, several trees per micro-batch) equal those of each
     root-to-leaf path run alone, with shared tokens counted once, within 1e-5 in float32."""
     groups = _random_groups(seed)
+    temps = TEMPERATURES.get(case, (1.0, 1.0))
+    groups = [msgspec.structs.replace(g, temperature=temps[i]) for i, g in enumerate(groups)]
     model = tiny_qwen3(seed)
     sft = case == "sft"
     tree = _learner(copy.deepcopy(model), micro_batch_tokens=10_000, **CASES[case])
@@ -274,8 +280,10 @@ def test_bad_groups_are_refused_with_the_group_named():
         )
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"lr": 1e-3, "lrr": 1}, LearnerConfig)
+    with pytest.raises(msgspec.ValidationError, match=r"Expected `float` > 0.0 - at `\$.lr`"):
+        msgspec.convert({"lr": 0.0}, LearnerConfig)
     with pytest.raises(ValueError, match="total_steps"):
-        LearnerConfig(schedule="cosine")
+        Learner(tiny_qwen3(0), LearnerConfig(schedule="cosine"))
 
 
 def test_pack_helper_is_what_the_contract_says():
@@ -283,6 +291,7 @@ def test_pack_helper_is_what_the_contract_says():
     assert t.pred.tolist() == [-1, 0, 0] and t.subtree_end.tolist() == [3, 2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_flex_attention_path_equals_dense():
     """The GPU code path (flex-attention BlockMask) run on CPU through inductor gives the dense path's log-probs

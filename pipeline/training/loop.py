@@ -1,0 +1,104 @@
+"""The learner's bookkeeping apart from the optimizer: when cold-start SFT runs, when an RL step is complete, which
+groups are too stale, when to checkpoint, where a resumed run stands.
+
+The learner actor feeds :class:`LearnerLoop` every TreeGroup / GroupDropped it receives and carries out what it
+returns (:class:`ColdStartReady`, :class:`StepReady`); the loop itself touches no model, so every rule is
+unit-tested (tests/training/test_loop.py).
+
+- Demonstration packs (``purpose == "sft"``) are collected until as many as the tree builder announced
+  (``packs``) have arrived, trained or dropped; then the cold start runs once.
+- RL steps are counted in training groups *received*, trained or dropped: every ``groups_per_step`` of them make
+  one step, so the scheduler's staleness bound (which counts issued groups) and the learner agree on step numbers
+  and a dropped group never stalls the run.
+- A group whose issue version lags the learner's by more than ``max_staleness`` is not trained (a backstop: the
+  scheduler already bounds it).
+- A step is checkpointed before it is announced when it is the last one or a multiple of ``checkpoint_every``, so a
+  step the event log shows as done is always in a checkpoint and ``--resume`` neither repeats nor skips one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.messages import GroupDropped, TreeGroup
+
+
+@dataclass
+class ColdStartReady:
+    """Every demonstration pack has arrived: run SFT on ``packs`` (``dropped`` packs were unusable)."""
+
+    packs: list[TreeGroup]
+    dropped: int
+
+
+@dataclass
+class StepReady:
+    """RL step ``step`` (1-based) has all its groups: train ``batch`` (may be empty), then checkpoint if asked."""
+
+    step: int
+    batch: list[TreeGroup]
+    checkpoint: bool
+    last: bool
+    stale: list[tuple[str, int]] = field(default_factory=list)  # (group id, lag) of groups left out as too old
+
+
+@dataclass
+class LearnerLoop:
+    steps: int
+    groups_per_step: int
+    checkpoint_every: int = 1  # 0: only after the last step
+    steps_done: int = 0  # RL steps finished (set from the checkpoint on resume)
+    cold_start_done: bool = False
+    received: int = 0  # training groups received in the current run, trained or dropped
+    _packs: list[TreeGroup] = field(default_factory=list)
+    _packs_seen: int = 0
+    _batch: list[TreeGroup] = field(default_factory=list)
+    _stale: list[tuple[str, int]] = field(default_factory=list)
+
+    @classmethod
+    def resumed(cls, steps: int, groups_per_step: int, checkpoint_every: int, steps_done: int) -> LearnerLoop:
+        """After a resume: the cold start is behind it, and counting restarts at the first unfinished step."""
+        return cls(steps, groups_per_step, checkpoint_every, steps_done=steps_done, cold_start_done=True,
+                   received=steps_done * groups_per_step)
+
+    @property
+    def finished(self) -> bool:
+        return self.steps_done >= self.steps
+
+    def receive(self, msg: TreeGroup | GroupDropped, *, version: int,
+                max_staleness: int) -> ColdStartReady | StepReady | None:
+        """Account for one message; return what to do now, if anything."""
+        if msg.purpose == "sft":
+            return self._demonstration(msg)
+        self.received += 1
+        if isinstance(msg, TreeGroup):
+            lag = version - msg.issued_version  # versions advance by one per RL step once training runs
+            if lag > max_staleness:
+                self._stale.append((msg.group_id, lag))
+            else:
+                self._batch.append(msg)
+        if self.received % self.groups_per_step:
+            return None
+        self.steps_done += 1
+        every = self.checkpoint_every
+        last = self.steps_done >= self.steps
+        ready = StepReady(step=self.steps_done, batch=self._batch, stale=self._stale, last=last,
+                          checkpoint=last or bool(every and self.steps_done % every == 0))
+        self._batch, self._stale = [], []
+        return ready
+
+    def _demonstration(self, msg: TreeGroup | GroupDropped) -> ColdStartReady | None:
+        if self.cold_start_done:
+            raise ValueError(f"demonstration pack {msg.group_id} arrived after the cold start was trained")
+        if msg.packs < 1:
+            raise ValueError(f"demonstration pack {msg.group_id} does not say how many packs the cold start has "
+                             "(TreeGroup.packs); the tree builder sets it from RolloutRequest.demonstrations")
+        self._packs_seen += 1
+        if isinstance(msg, TreeGroup):
+            self._packs.append(msg)
+        if self._packs_seen < msg.packs:
+            return None
+        self.cold_start_done = True
+        ready = ColdStartReady(packs=self._packs, dropped=self._packs_seen - len(self._packs))
+        self._packs = []
+        return ready
