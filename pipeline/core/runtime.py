@@ -346,11 +346,15 @@ class Supervisor:
 
         assert self.config_path is not None
         path = self.config_path.resolve()
-        # Editors replace files by rename, so watch the directory and filter on the file name.
+        # Editors replace files by rename, so watch the directory; the filter keeps every other file of it out
+        # (a resumed run's config lives in its run directory, which changes all the time).
+        def only_this_file(_change: object, p: str) -> bool:
+            return Path(p).resolve() == path
+
         task_status.started()
-        async for changes in awatch(path.parent, stop_event=self._watch_stop, debounce=200, step=50, rust_timeout=1000):
-            if any(Path(p).resolve() == path for _c, p in changes):
-                await self.reload()
+        async for _changes in awatch(path.parent, watch_filter=only_this_file, stop_event=self._watch_stop,
+                                     debounce=200, step=50, rust_timeout=1000):
+            await self.reload()
 
     async def reload(self) -> bool:
         """Re-read the experiment file, validate, diff, and hand each actor its changed section."""

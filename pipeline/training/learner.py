@@ -52,6 +52,7 @@ def _log() -> Any:
 
 
 STATE_FILE = "learner_state.json"
+REFERENCE_FILE = "reference.safetensors"
 WEIGHTS_INFO_FILE = "bridle_weights.json"
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -321,16 +322,36 @@ class Learner:
         return out
 
     def save_checkpoint(self, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
-        """Model (with value head), optimizer, scheduler, RNG states, step, version and ``extra`` — an opaque
-        JSON-able dict for the caller (the event-log offset to resume reading from)."""
+        """Model (with value head), optimizer, scheduler, RNG states, step, version, the KL reference policy and
+        ``extra`` — an opaque JSON-able dict for the caller (the event-log offset to resume reading from).
+
+        The reference (the policy the RL stage started from: after a cold start, the SFT weights, which are long
+        pruned from the weights folder by then) is written once per RL stage, beside the checkpoints, as
+        ``reference-v<first version>/``, and each checkpoint names it."""
         out = Path(directory)
         self.accelerator.save_state(str(out))
         if self.accelerator.is_main_process:
             state = {"step": self.step, "version": self.version, "extra": extra or {}}
+            if self.reference is not None:
+                state["reference"] = self._save_reference(out.parent).name
             (out / STATE_FILE).write_text(json.dumps(state))
         self.accelerator.wait_for_everyone()
         _log().info("checkpoint_saved", path=str(out), step=self.step, version=self.version)
         return out
+
+    def _save_reference(self, parent: Path) -> Path:
+        from safetensors.torch import save_model  # handles tied embeddings (shared tensors)
+
+        assert self.reference is not None
+        dest = parent / f"reference-v{self.config.initial_version:05d}"
+        if not (dest / REFERENCE_FILE).is_file():
+            tmp = dest.with_name(dest.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_model(self.reference, str(tmp / REFERENCE_FILE))
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+        return dest
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore everything :meth:`save_checkpoint` wrote; returns its ``extra``."""
@@ -340,7 +361,18 @@ class Learner:
         self.accelerator.load_state(str(src))
         state = json.loads((src / STATE_FILE).read_text())
         self.step, self.version = int(state["step"]), int(state["version"])
-        _log().info("checkpoint_loaded", path=str(src), step=self.step, version=self.version)
+        if self.reference is not None:
+            if "reference" not in state:
+                raise FileNotFoundError(
+                    f"{src / STATE_FILE} names no KL reference policy (a checkpoint written before references were "
+                    "saved); the KL term would pull towards the wrong policy. Resume with "
+                    "--set learner.train.kl_coef=0, or start a new run")
+            from safetensors.torch import load_model
+
+            load_model(self.reference, str(src.parent / state["reference"] / REFERENCE_FILE),
+                       device=str(self.accelerator.device))
+        _log().info("checkpoint_loaded", path=str(src), step=self.step, version=self.version,
+                    reference=state.get("reference", ""))
         return dict(state["extra"])
 
     # ------------------------------------------------------------------------------------------ internals

@@ -353,3 +353,34 @@ def test_tree_builder_groups_match_the_reference():
     for name in g_tree:
         torch.testing.assert_close(g_tree[name], g_ref[name], atol=1e-5, rtol=1e-4, msg=name)
     assert tree.train_step(groups)["version"] == 1
+
+
+def test_resume_restores_the_kl_reference_not_the_base_model(tmp_path):
+    """The RL stage's KL reference is the policy it started from (after a cold start: the SFT weights). A resumed
+    learner is built from the run's base model; its checkpoint must bring the reference back, or the KL term pulls
+    the policy towards the base (seen as KL 0.006 -> 5.85 at the first resumed step, entropy to uniform)."""
+    base, sft = tiny_qwen3(8), tiny_qwen3(9)  # two different policies
+    cfg = {"lr": 1e-2, "kl_coef": 0.1}
+    rng = np.random.default_rng(5)
+    batches = [[group(random_paths(rng, 3), list(rng.random(3)))] for _ in range(2)]
+    a = _learner(copy.deepcopy(sft), initial_version=7, **cfg)
+    a.train_step(batches[0])
+    a.save_checkpoint(tmp_path / "ckpts" / "step00001")
+    assert (tmp_path / "ckpts" / "reference-v00007" / "reference.safetensors").is_file()
+    a.save_checkpoint(tmp_path / "ckpts" / "step00002")  # written once per RL stage
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["reference-v00007", "step00001", "step00002"]
+
+    b = _learner(copy.deepcopy(base), **cfg)
+    b.load_checkpoint(tmp_path / "ckpts" / "step00001")
+    for (k, ra), rb in zip(a.reference.state_dict().items(), b.reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(ra, rb, msg=k)
+    ma, mb = a.train_step(batches[1]), b.train_step(batches[1])
+    assert mb["kl"] == pytest.approx(ma["kl"], abs=1e-6) and ma["kl"] > 0
+
+
+def test_a_checkpoint_without_its_reference_is_refused_when_kl_is_on(tmp_path):
+    a = _learner(tiny_qwen3(8), lr=1e-2)  # kl_coef 0: no reference
+    a.save_checkpoint(tmp_path / "step00001")
+    b = _learner(tiny_qwen3(8), lr=1e-2, kl_coef=0.1)
+    with pytest.raises(FileNotFoundError, match="names no KL reference policy"):
+        b.load_checkpoint(tmp_path / "step00001")
