@@ -194,4 +194,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        # work abandoned on cancellation (a learner step, a model build): do not wait for it to finish
+        from pipeline.core.runtime import exit_now
+
+        exit_now(code)
+    sys.exit(code)

@@ -20,6 +20,7 @@ from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
 from pipeline.serving.factory import EngineSettings, open_engine, open_renderer
 from pipeline.serving.proxy import Proxy, ProxySettings
+from pipeline.serving.watchdog import watch_engine
 
 
 class ProxyActorSettings(Section):
@@ -76,25 +77,33 @@ class ProxyActor(Actor[ProxyActorSettings]):
             await self.proxy.start()
             self.ready.set()
             try:
-                await self.send("rollouts", ServiceReady(service="proxy", base_url=self.proxy.base_url,
-                                                         unix_socket=self.proxy.unix_socket))
-                if self.inbox is None:
-                    await anyio.sleep_forever()
-                async for msg in self.messages():
-                    if isinstance(msg, RolloutRequest):
-                        self.proxy.register(msg)
-                        await self.send("rollouts", msg)
-                    elif isinstance(msg, SettledRollout):
-                        for eng, rid in self.proxy.forget(msg.request.rollout_id):
-                            with anyio.move_on_after(5):
-                                await eng.abort(rid)  # stragglers of a rollout settled by timeout
-                    elif isinstance(msg, PolicyUpdated):
-                        await self._update(engine, msg)
+                async with anyio.create_task_group() as tg:
+                    # A dead engine fails the run at once, with its exit code and log (pipeline/serving/watchdog.py)
+                    tg.start_soon(watch_engine, engine)
+                    await self._serve(engine)
+                    tg.cancel_scope.cancel()
             finally:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                     await self.proxy.stop()
                 if self._socket_dir:
                     shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    async def _serve(self, engine: Any) -> None:
+        assert self.proxy is not None
+        await self.send("rollouts", ServiceReady(service="proxy", base_url=self.proxy.base_url,
+                                                 unix_socket=self.proxy.unix_socket))
+        if self.inbox is None:
+            await anyio.sleep_forever()
+        async for msg in self.messages():
+            if isinstance(msg, RolloutRequest):
+                self.proxy.register(msg)
+                await self.send("rollouts", msg)
+            elif isinstance(msg, SettledRollout):
+                for eng, rid in self.proxy.forget(msg.request.rollout_id):
+                    with anyio.move_on_after(5):
+                        await eng.abort(rid)  # stragglers of a rollout settled by timeout
+            elif isinstance(msg, PolicyUpdated):
+                await self._update(engine, msg)
 
     @property
     def ready(self) -> anyio.Event:

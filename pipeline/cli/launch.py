@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import msgspec
 from pipeline.core import config as cfg
 from pipeline.core import logs
 from pipeline.core.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
-from pipeline.core.runtime import Graph, Resolver, Resume, Supervisor
+from pipeline.core.runtime import Graph, Interrupted, Resolver, Resume, Supervisor
 from pipeline.messages import SCHEMA_VERSION, ConfigChanged
 
 
@@ -107,7 +108,21 @@ async def build_model(exp: cfg.Experiment) -> None:
     except msgspec.ValidationError as e:
         raise cfg.ConfigError(f"{exp.source}: [experiment.build_model]: {e}") from None
     logs.get_logger(actor="run").info("preparing the model", path=spec.path)
-    await anyio.to_thread.run_sync(ensure_model, spec)
+    # Ctrl-C must stop a long build: the thread is abandoned (run.py then exits without joining it).
+    interrupted: list[Interrupted] = []
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+
+            async def interrupt() -> None:
+                async for signum in signals:
+                    interrupted.append(Interrupted(signum))
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(interrupt)
+            await anyio.to_thread.run_sync(ensure_model, spec, abandon_on_cancel=True)
+            tg.cancel_scope.cancel()
+    if interrupted:
+        raise interrupted[0]
 
 
 RESUMES_FILE = "resumes.json"  # how often the run was resumed: re-issued groups get ids of their own

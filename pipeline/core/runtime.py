@@ -14,12 +14,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
+import os
 import signal
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, NoReturn, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -128,6 +132,47 @@ class Actor(Generic[C]):
         if self.inbox is None:
             raise RuntimeError(f"actor {self.name!r} has no incoming edge in [graph].edges")
         return self.inbox
+
+
+# ------------------------------------------------------------------------------------------- hard exit
+# What must not outlive the process even when it exits without cleanup: launchers and sandbox backends register a
+# synchronous kill here (process groups, containers) while what they started runs.
+_EMERGENCY: dict[int, Callable[[], None]] = {}
+
+
+def on_emergency(stop: Callable[[], None]) -> Callable[[], None]:
+    """Register ``stop`` for a hard exit; returns the function that unregisters it."""
+    key = id(stop)
+    _EMERGENCY[key] = stop
+
+    def unregister() -> None:
+        _EMERGENCY.pop(key, None)
+
+    return unregister
+
+
+def emergency_stop() -> None:
+    for stop in list(_EMERGENCY.values()):
+        try:
+            stop()
+        except Exception as e:  # noqa: BLE001 — one failed kill must not keep the others from running
+            get_logger(actor="supervisor").warning("emergency stop failed", error=repr(e))
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process without waiting for worker threads (a learner step or a model build abandoned on
+    cancellation would otherwise hold the exit until it finished)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The one error inside task-group wrappers (an actor's own task group wraps what one of its tasks raised)."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e
 
 
 class ActorCrashed(Exception):
@@ -302,10 +347,11 @@ class Supervisor:
             reason = "cancelled"
             raise
         except Exception as e:
-            reason, error = "crashed", f"{type(e).__name__}: {e}"
+            cause = _root_cause(e)
+            reason, error = "crashed", f"{type(cause).__name__}: {cause}"
             actor.log.exception("actor crashed; stopping the graph", error=error)
             if self.crash is None:
-                self.crash = ActorCrashed(actor.name, e)
+                self.crash = ActorCrashed(actor.name, cause)
             tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -334,11 +380,24 @@ class Supervisor:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
             async for signum in sigs:
                 if self.interrupted is not None:
-                    self.log.warning("second signal: exiting at once")
-                    raise SystemExit(130)
-                self.log.warning("signal received; stopping the graph", signal=signal.Signals(signum).name)
+                    await self._exit_now()
+                self.log.warning("signal received; stopping the graph (a second one exits at once)",
+                                 signal=signal.Signals(signum).name)
                 self.interrupted = Interrupted(signum)
                 self.stop()
+
+    async def _exit_now(self) -> None:
+        """A second signal: no graceful shutdown, but nothing left behind. Kill what the graph started (the
+        emergency stops registered by launchers and sandbox backends), write what the event log holds, exit 130.
+        Never raises into a task: the process ends here."""
+        self.log.warning("second signal: killing child processes and exiting now")
+        emergency_stop()
+        if self.eventlog is not None:
+            with anyio.move_on_after(2.0, shield=True):
+                await self.eventlog.flush()
+            with contextlib.suppress(OSError):
+                self.eventlog.close()
+        exit_now(130)
 
     # ------------------------------------------------------------------------------------------ hot reload
     async def _watch_config(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

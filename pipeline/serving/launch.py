@@ -25,6 +25,7 @@ import anyio
 
 from pipeline.core.logs import get_logger
 from pipeline.core.paths import REPO
+from pipeline.core.runtime import on_emergency
 from pipeline.serving.sglang_client import HttpEngine
 
 log = get_logger(actor="engine_launch")
@@ -82,6 +83,11 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait()
 
 
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 @contextlib.asynccontextmanager
 async def _child(
     cmd: list[str],
@@ -111,10 +117,12 @@ async def _child(
 
     proc = await anyio.to_thread.run_sync(spawn)
     log.info("engine process started", pid=proc.pid, cmd=" ".join(cmd), log=str(log_path))
+    unregister = on_emergency(lambda: _kill_group(proc.pid))
     client: HttpEngine | None = None
     try:
         base_url = await url_of(proc, log_path)
         client = HttpEngine(base_url, control_urls=control_urls)
+        client.process, client.log_path = proc, log_path  # for the watchdog (pipeline/serving/watchdog.py)
         await wait_ready(client, timeout_s=timeout_s, proc=proc, log_path=log_path)
         yield client
     finally:
@@ -124,6 +132,7 @@ async def _child(
             if client is not None:
                 await client.aclose()
             await anyio.to_thread.run_sync(_stop, proc)
+            unregister()
         log.info("engine process stopped", pid=proc.pid, returncode=proc.returncode)
         if own_log and proc.returncode in (0, -signal.SIGTERM):
             log_path.unlink(missing_ok=True)

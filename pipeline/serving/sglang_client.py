@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
@@ -248,6 +250,9 @@ class HttpEngine:
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        # Set by the launcher when bridle started the server: the watchdog polls the process instead of /health.
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
         self._session: aiohttp.ClientSession | None = None
         self._generate_url = f"{self.base_url}/generate"
         u = urlsplit(self.base_url)

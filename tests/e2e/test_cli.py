@@ -206,3 +206,68 @@ def test_every_help_example_runs(tmp_path):
         assert r.returncode == 0, f"{cmd}\n{r.stderr[-3000:]}"
         seen.add(cmd)
     assert seen == {c for c, _ in EXAMPLES}
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmd:
+                out.append(int(d.name))
+    return out
+
+
+def _quickstart(tmp_path, *sets: str) -> subprocess.Popen:
+    args = RUN + ["--experiment", "quickstart", "--run-dir", str(tmp_path / "run"), "--no-watch",
+                  "--set", f'run.model="{tmp_path / "model"}"', "--set", 'monitor.display="off"']
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_model_is_being_built_stops_at_once(tmp_path):
+    """The signal handler is up before the model build, and the build thread is abandoned, not joined: before, the
+    signal was lost until the build finished."""
+    proc = _quickstart(tmp_path, "experiment.build_model.tasks=20000")
+    try:
+        wait_for(lambda: (tmp_path / "run" / "log.jsonl").exists()
+                 and "preparing the model" in (tmp_path / "run" / "log.jsonl").read_text(), what="the model build")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    assert not (tmp_path / "model" / "model.safetensors").exists()  # it really stopped before the build ended
+
+
+@pytest.mark.slow
+def test_a_second_signal_exits_at_once_without_a_traceback_or_leftovers(tmp_path):
+    proc = _quickstart(tmp_path, "experiment.build_model.tasks=20", "scheduler.sft_groups=0", "run.steps=50",
+                       "scheduler.tasks.count=10")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        wait_for(lambda: metrics.exists() and '"source": "sandbox"' in metrics.read_text(), timeout=300,
+                 what="rollouts")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "second signal" in err, err[-3000:]
+    from pipeline.core.eventlog import EventLogReader
+
+    assert list(EventLogReader(tmp_path / "run" / "events.msgpack"))  # readable: a cut tail at most
+    time.sleep(1.0)
+    assert _processes_mentioning(str(tmp_path / "model")) == []  # the engine is gone
+    assert _processes_mentioning(str(tmp_path)) == []  # and every harness

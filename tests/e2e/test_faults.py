@@ -98,3 +98,56 @@ def _descends_from(pid: int, ancestor: int) -> bool:
             return False
         pid = int(stat.rsplit(")", 1)[1].split()[1])
     return False
+
+
+def _engine_pids(marker: str) -> list[int]:
+    """Processes whose command line runs bridle's embedded engine for the model folder ``marker``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(c.startswith("pipeline.serving.embedded") for c in cmd) and marker in cmd:
+            out.append(int(d.name))
+    return out
+
+
+def test_a_dead_engine_fails_the_run_at_once_with_its_exit_code(tmp_path):
+    """Before the watchdog, a dead engine was noticed only at the next weight push (3.8-15 s later) while the
+    scheduler kept issuing rollouts; a run without pushes never noticed."""
+    model = tmp_path / "model"
+    sets = [f'run.model="{model}"', "experiment.build_model.tasks=20", "scheduler.sft_groups=0", "run.steps=50",
+            "scheduler.group_size=2", "run.groups_per_step=2", "scheduler.tasks.count=10",
+            'monitor.display="off"']
+    args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(tmp_path / "run"),
+            "--no-watch"]
+    for s in sets:
+        args += ["--set", s]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while not (metrics.exists() and '"source": "sandbox"' in metrics.read_text()):  # a rollout finished
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300, "the run did not start rolling out"
+            time.sleep(0.2)
+        pids = _engine_pids(str(model))
+        assert pids, "no embedded engine process found"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    # the watchdog's words, not a failed weight push: the proxy actor stopped the run with the engine's exit code
+    from pipeline.messages import ActorStopped
+
+    stops = [e.msg for e in EventLogReader(tmp_path / "run" / "events.msgpack") if isinstance(e.msg, ActorStopped)]
+    crash = [s for s in stops if s.reason == "crashed"]
+    assert [s.actor for s in crash] == ["proxy"] and "EngineDied" in crash[0].error, stops
+    assert "exited with code -9" in crash[0].error

@@ -1,0 +1,49 @@
+"""The engine watchdog: a dead engine fails the run at once (pipeline/serving/watchdog.py)."""
+
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+
+from pipeline.serving.watchdog import EngineDied, watch_engine
+
+pytestmark = pytest.mark.anyio
+
+
+class Launched:
+    def __init__(self, proc, log_path):
+        self.process, self.log_path = proc, log_path
+
+
+class Attached:
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.base_url = "http://127.0.0.1:1"
+
+    async def health(self):
+        return self.answers.pop(0) if self.answers else False
+
+
+async def test_a_launched_engine_that_exits_is_reported_with_code_and_log(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("loading...\nCUDA error: out of memory\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(3)"])
+    t0 = time.monotonic()
+    with pytest.raises(EngineDied, match=r"exited with code 3(.|\n)*out of memory"):
+        with anyio.fail_after(10):
+            await watch_engine(Launched(proc, log), interval_s=0.05)
+    assert time.monotonic() - t0 < 2.0
+
+
+async def test_an_attached_engine_fails_after_consecutive_missed_probes():
+    with pytest.raises(EngineDied, match="failed 3 health probes in a row"):
+        with anyio.fail_after(5):
+            await watch_engine(Attached([True, False, True, False, False, False]), interval_s=0.01, failures=3)
+
+
+async def test_a_healthy_engine_is_watched_until_cancelled():
+    with anyio.move_on_after(0.3) as scope:
+        await watch_engine(Attached([True] * 1000), interval_s=0.01)
+    assert scope.cancelled_caught
