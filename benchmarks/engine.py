@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.models.small import IM_END, IM_START, VocabTable, create_small_model
 from pipeline.serving.engine import Sampling
-from pipeline.serving.launch import start_embedded_engine
+from pipeline.serving.launch import launch_embedded
 
 
 async def measure(client, concurrency: int, prompt_len: int, tokens: int, rounds: int) -> tuple[float, float]:
@@ -59,7 +59,7 @@ async def main(args: argparse.Namespace) -> None:
             num_heads=args.heads,
             num_kv_heads=args.kv_heads,
         )
-        async with start_embedded_engine(
+        async with launch_embedded(
             path, threads=args.threads, max_running_requests=max(args.concurrency)
         ) as client:
             await measure(client, 2, args.prompt, 8, 1)  # warm-up

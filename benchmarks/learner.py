@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.logs import configure
-from pipeline.messages import PackedTree, RolloutSummary, TreeGroup, pack_f32, pack_i32, pack_u8
+from pipeline.messages import PackedTree, RolloutSummary, TreeGroup, ids, mask, pack_f32, pack_i32, pack_u8
 from pipeline.training.learner import Learner, LearnerConfig
 
 H200_BF16_TFLOPS = 989.0
@@ -149,11 +149,11 @@ def layouts(shape: Shape, vocab: int, seed: int = 0) -> dict[str, TreeGroup]:
 
 
 def counts(g: TreeGroup) -> dict[str, int]:
-    pos = np.frombuffer(g.packed.positions, "<i4")
+    pos = ids(g.packed.positions)
     return {
-        "sequences": int((np.frombuffer(g.packed.pred, "<i4") == -1).sum()),
+        "sequences": int((ids(g.packed.pred) == -1).sum()),
         "tokens": int(pos.shape[0]),
-        "trainable": int(np.frombuffer(g.packed.trainable, np.uint8).sum()),
+        "trainable": int(mask(g.packed.trainable).sum()),
         "attn_pairs": int(
             (pos.astype(np.int64) + 1).sum()
         ),  # (query, key) pairs each attention layer computes

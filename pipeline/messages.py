@@ -11,7 +11,8 @@ Read top to bottom, this file follows one rollout through the graph (docs/archit
 
 Token ids and log-probabilities travel as raw little-endian arrays in ``bytes`` fields (``I32``/``F32``), not as
 lists of Python ints: a ModelCall with 8k input ids encodes to ~32 KB in microseconds, and ``ids(msg.input_ids)``
-is a zero-copy numpy view. Use :func:`pack_i32` / :func:`pack_f32` to build them.
+is a zero-copy numpy view. Use :func:`pack_i32` / :func:`pack_f32` to build them; code that fills such an array
+itself uses :data:`I32_DTYPE` / :data:`F32_DTYPE`.
 
 Adding a field: give it a default so that older event logs still decode, and bump SCHEMA_VERSION only when an old
 log can no longer be read correctly.
@@ -31,16 +32,17 @@ I32 = Annotated[bytes, msgspec.Meta(description="int32 little-endian array; read
 F32 = Annotated[bytes, msgspec.Meta(description="float32 little-endian array; read with floats()")]
 U8 = Annotated[bytes, msgspec.Meta(description="uint8 array (0/1 masks); read with mask()")]
 
-_I32 = np.dtype("<i4")
-_F32 = np.dtype("<f4")
+# The dtypes of I32 / F32 fields (and of PackedTree's arrays): the one definition of the wire format.
+I32_DTYPE = np.dtype("<i4")
+F32_DTYPE = np.dtype("<f4")
 
 
 def pack_i32(values: Sequence[int] | np.ndarray) -> bytes:
-    return np.asarray(values, dtype=_I32).tobytes()
+    return np.asarray(values, dtype=I32_DTYPE).tobytes()
 
 
 def pack_f32(values: Sequence[float] | np.ndarray) -> bytes:
-    return np.asarray(values, dtype=_F32).tobytes()
+    return np.asarray(values, dtype=F32_DTYPE).tobytes()
 
 
 def pack_u8(values: Sequence[bool] | np.ndarray) -> bytes:
@@ -49,11 +51,11 @@ def pack_u8(values: Sequence[bool] | np.ndarray) -> bytes:
 
 def ids(buf: bytes) -> np.ndarray:
     """Read-only int32 view of an I32 field."""
-    return np.frombuffer(buf, dtype=_I32)
+    return np.frombuffer(buf, dtype=I32_DTYPE)
 
 
 def floats(buf: bytes) -> np.ndarray:
-    return np.frombuffer(buf, dtype=_F32)
+    return np.frombuffer(buf, dtype=F32_DTYPE)
 
 
 def mask(buf: bytes) -> np.ndarray:

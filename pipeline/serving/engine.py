@@ -1,9 +1,11 @@
-"""The policy-engine interface: what the proxy and the learner need from whatever serves the policy.
+"""The policy-engine interface: what the proxy (and the proxy actor, for weight updates) needs from whatever
+serves the policy.
 
-Every engine speaks SGLang's native HTTP subset (``reference/sglang-api.md``), so one client
+Every engine process speaks SGLang's native HTTP subset, so one client
 (:class:`pipeline.serving.sglang_client.HttpEngine`) serves both a real SGLang server and our embedded engine
-(:mod:`pipeline.serving.embedded_engine`). This module holds only the types: the sampling request, the result, the
-errors, and the :class:`Engine` protocol. It imports neither torch nor aiohttp.
+(:mod:`pipeline.serving.embedded`); the scripted engine (:mod:`pipeline.serving.scripted`) implements the same
+protocol in-process. This module holds only the types: the sampling request, the result, the errors, and the
+:class:`Engine` protocol. It imports neither torch nor aiohttp.
 
 Weight versions are strings on the wire (SGLang's ``weight_version``); the pipeline names versions with integers
 and sends ``str(version)``, so :meth:`GenerateResult.spans` turns them back into :class:`VersionSpan`.
@@ -16,7 +18,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from pipeline.messages import SamplingParams, VersionSpan
+from pipeline.messages import VersionSpan
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -35,17 +37,6 @@ class Sampling(msgspec.Struct, kw_only=True, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
-
-    @classmethod
-    def from_params(cls, p: SamplingParams, stop_token_ids: Sequence[int] = ()) -> Sampling:
-        return cls(
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            max_new_tokens=p.max_new_tokens,
-            stop_token_ids=tuple(int(t) for t in stop_token_ids),
-            seed=p.seed,
-        )
 
     def to_sglang(self) -> dict[str, Any]:
         """The ``sampling_params`` object of a native ``/generate`` call."""
@@ -120,7 +111,8 @@ class EngineProtocolError(EngineError):
 
 
 class Engine(Protocol):
-    """What the pipeline calls. Implemented by :class:`pipeline.serving.sglang_client.HttpEngine`."""
+    """What the pipeline calls. Implemented by :class:`pipeline.serving.sglang_client.HttpEngine` and
+    :class:`pipeline.serving.scripted.ScriptedEngine`."""
 
     async def generate(
         self, input_ids: Sequence[int], sampling: Sampling, *, rid: str | None = None

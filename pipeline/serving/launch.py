@@ -1,11 +1,13 @@
-"""Start (or attach to) a policy engine and wait until it is ready.
+"""Launching policy-engine processes (SGLang or the embedded engine), or attaching to a running server.
 
 - :func:`launch_sglang`: ``python -m sglang.launch_server`` for a model folder (needs the ``sglang`` extra and a GPU).
+- :func:`launch_embedded`: ``python -m pipeline.serving.embedded`` (our torch server) on a free port.
 - :func:`attach`: an already running SGLang server or ``sglang_router`` (give the workers for control calls).
-- :func:`start_embedded_engine`: ``python -m pipeline.serving.embedded_engine`` as a child process on a free port.
+- :func:`wait_ready`: poll a server until it answers ``/health`` and ``/model_info``.
 
-Each is an async context manager yielding a ready :class:`pipeline.serving.sglang_client.HttpEngine`; the child process
-(its own process group) is terminated on exit. This module does not import torch.
+Each of the first three is an async context manager yielding a ready
+:class:`pipeline.serving.sglang_client.HttpEngine`; a launched process (its own process group) is terminated on
+exit. This module does not import torch.
 """
 
 from __future__ import annotations
@@ -179,22 +181,7 @@ async def launch_sglang(
 
 
 @contextlib.asynccontextmanager
-async def attach(
-    base_url: str, *, worker_urls: Sequence[str] | None = None, timeout_s: float = 60.0
-) -> AsyncIterator[HttpEngine]:
-    """A client for a running server or router; weight updates and pauses go to ``worker_urls`` when given."""
-    client = HttpEngine(base_url, control_urls=worker_urls)
-    try:
-        await wait_ready(client, timeout_s=timeout_s)
-        for url in worker_urls or ():
-            await wait_ready(HttpEngine(url), timeout_s=timeout_s)
-        yield client
-    finally:
-        await client.aclose()
-
-
-@contextlib.asynccontextmanager
-async def start_embedded_engine(
+async def launch_embedded(
     model_path: str | Path,
     *,
     host: str = "127.0.0.1",
@@ -206,7 +193,7 @@ async def start_embedded_engine(
     log_path: Path | None = None,
     python: str = sys.executable,
 ) -> AsyncIterator[HttpEngine]:
-    """Run ``python -m pipeline.serving.embedded_engine`` on a free port and yield a ready client."""
+    """Run ``python -m pipeline.serving.embedded`` on a free port and yield a ready client."""
     # next to the log (the run folder) when there is one: a SIGKILLed run then leaves nothing behind in /tmp
     port_dir = tempfile.mkdtemp(prefix="bridle-engine-port-",
                                 dir=log_path.parent if log_path and log_path.parent.is_dir() else None)
@@ -214,7 +201,7 @@ async def start_embedded_engine(
     cmd = [
         python,
         "-m",
-        "pipeline.serving.embedded_engine",
+        "pipeline.serving.embedded",
         "--model",
         str(model_path),
         "--host",
@@ -255,3 +242,18 @@ async def start_embedded_engine(
     finally:
         port_file.unlink(missing_ok=True)
         os.rmdir(port_dir)
+
+
+@contextlib.asynccontextmanager
+async def attach(
+    base_url: str, *, worker_urls: Sequence[str] | None = None, timeout_s: float = 60.0
+) -> AsyncIterator[HttpEngine]:
+    """A client for a running server or router; weight updates and pauses go to ``worker_urls`` when given."""
+    client = HttpEngine(base_url, control_urls=worker_urls)
+    try:
+        await wait_ready(client, timeout_s=timeout_s)
+        for url in worker_urls or ():
+            await wait_ready(HttpEngine(url), timeout_s=timeout_s)
+        yield client
+    finally:
+        await client.aclose()

@@ -1,4 +1,4 @@
-"""The capturing proxy: the model boundary every harness talks to (DESIGN.md §2, wire-protocols.md).
+"""The capturing proxy: the model boundary every harness talks to (docs/architecture.md).
 
 Per request: authenticate the rollout token → convert the body to the internal conversation → render to ids
 with splicing (token-in) → ``engine.generate`` → parse the output once → answer in the harness's protocol
@@ -6,7 +6,8 @@ with splicing (token-in) → ``engine.generate`` → parse the output once → a
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/messages`` (``?beta=true`` too), ``POST
 /v1/messages/count_tokens``, ``POST /v1/responses``, ``GET /v1/models``, ``HEAD /`` and ``GET /health``. The same
-paths without ``/v1`` are accepted, since base-URL conventions differ between clients.
+paths without ``/v1`` are accepted, since base-URL conventions differ between clients. The wire rules the answers
+follow are in docs/wire-protocols.md.
 
 Errors are answered in the protocol of the endpoint, with ``x-should-retry: false`` where retrying cannot help, so a
 broken request or engine never turns into a retry storm (every retry would be a dead leaf in the tree).
@@ -22,7 +23,6 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -44,8 +44,9 @@ from pipeline.messages import (
     pack_i32,
 )
 from pipeline.serving.engine import Engine, EngineBadRequest, EngineError, GenerateResult, Sampling
+from pipeline.serving.labels import detect_label
 from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse
-from pipeline.serving.wire import PROTOCOLS, ErrorKind, Protocol, Reply
+from pipeline.serving.wire import PROTOCOLS, ErrorKind, Protocol, Reply, StreamState
 from pipeline.tokens.conversation import (
     Conversation,
     ConversionError,
@@ -93,52 +94,28 @@ class RolloutState:
     render_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+@dataclass(slots=True)
+class _Call:
+    """One harness call on its way through the proxy: where it came from and what its answer needs."""
+
+    request: web.Request
+    proto: Protocol
+    conv: Conversation
+    st: RolloutState
+    call_id: str
+    seq: int
+    label: str
+    model: str  # the model name the answer carries
+    received: float
+    ctx: dict[str, Any]  # log context, bound only when something is logged
+    stream: bool
+    sstate: StreamState
+
+
 class ProxyError(Exception):
     def __init__(self, kind: ErrorKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-# ------------------------------------------------------------------------------------------- labels
-COMPACTION_MARKERS = (
-    "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.",  # Claude Code
-    "component that summarizes a conversation",  # Qwen Code
-    "You are a context summarization assistant",  # OpenClaw
-)
-SUBAGENT_MARKERS = ("## Subagent Context", "subagent working for a parent agent", "cc_is_subagent=true")
-
-
-def detect_label(protocol: str, headers: Any, body: dict[str, Any], conv: Conversation, subagent_model: str) -> str:
-    """main / subagent / compaction from what each harness shows (README: 'Call labels')."""
-    explicit = headers.get("x-bridle-call-label", "")  # our white-box harness says it
-    if explicit in ("main", "subagent", "compaction"):
-        return explicit
-    if protocol == "responses":  # Codex
-        meta: Any = headers.get("x-codex-turn-metadata") or (body.get("client_metadata") or {}).get(
-            "x-codex-turn-metadata", "")
-        if isinstance(meta, str):
-            try:
-                meta = json.loads(meta) if meta else {}
-            except ValueError:
-                meta = {}
-        if isinstance(meta, dict):
-            if meta.get("request_kind") == "compaction":
-                return "compaction"
-            if meta.get("thread_source") == "subagent":
-                return "subagent"
-        if headers.get("x-openai-subagent"):
-            return "subagent"
-    if protocol == "anthropic" and (headers.get("x-claude-code-agent-id") or conv.model == subagent_model):
-        return "subagent"
-    system = " ".join(m.content[:4000] for m in conv.messages if m.role == "system")
-    if any(s in system for s in SUBAGENT_MARKERS):
-        return "subagent"
-    last_user = next((m.content for m in reversed(conv.messages) if m.role == "user"), "")
-    if any(last_user.lstrip().startswith(s) for s in COMPACTION_MARKERS[:1]):
-        return "compaction"
-    if not conv.tools and any(s in system for s in COMPACTION_MARKERS[1:]):
-        return "compaction"
-    return "main"
 
 
 def _token(request: web.Request) -> str:
@@ -177,7 +154,6 @@ class Proxy:
         self.base_url = ""
         self.unix_socket = ""
         self.render_seconds = 0.0
-        self.sampling_defaults = SamplingParams()
         self.scripted: ScriptedEngine | None = None
 
     # --------------------------------------------------------------------------------- rollout registry
@@ -201,7 +177,7 @@ class Proxy:
         token = "bridle-" + secrets.token_urlsafe(24)
         self.register(RolloutRequest(
             rollout_id=rollout_id, group_id=rollout_id, index=0, group_size=1, task_id="", harness="manual",
-            token=token, policy_version=self.policy_version, sampling=sampling or self.sampling_defaults,
+            token=token, policy_version=self.policy_version, sampling=sampling or SamplingParams(),
         ))
         return token
 
@@ -242,9 +218,10 @@ class Proxy:
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.base_url = f"http://{self.settings.host}:{port}"
         if self.settings.unix_socket:
-            Path(self.settings.unix_socket).unlink(missing_ok=True)
+            sock = anyio.Path(self.settings.unix_socket)
+            await sock.unlink(missing_ok=True)
             await web.UnixSite(self.runner, self.settings.unix_socket).start()
-            Path(self.settings.unix_socket).chmod(0o666)
+            await sock.chmod(0o666)
             self.unix_socket = self.settings.unix_socket
         self.log.info("proxy listening", base_url=self.base_url, unix_socket=self.unix_socket or None)
         return self.base_url
@@ -372,13 +349,16 @@ class Proxy:
             seed=None if sp.seed is None else sp.seed + seq,
         )
 
+        model = conv.model or self.settings.model_name
+        call = _Call(
+            request=request, proto=proto, conv=conv, st=st, call_id=call_id, seq=seq, label=label, model=model,
+            received=received, ctx=ctx, stream=bool(conv.sampling.stream),
+            sstate=proto.new_state(model, n_in, include_usage=_include_usage(body)),
+        )
         st.pending.add(call_id)
         await self.emit(CallStarted(rollout_id=req.rollout_id, call_id=call_id, seq=seq, t=received))
         try:
-            return await self._generate_and_answer(
-                request, proto, conv, st, call_id, seq, label, input_ids, sampling, rendered, render_s, received, ctx,
-                include_usage=_include_usage(body),
-            )
+            return await self._generate_and_answer(call, input_ids, sampling, rendered, render_s)
         finally:
             st.pending.discard(call_id)
 
@@ -396,38 +376,103 @@ class Proxy:
             return rendered, plan_s + tokenize_s
 
     async def _generate_and_answer(
-        self, request: web.Request, proto: Protocol, conv: Conversation, st: RolloutState, call_id: str, seq: int,
-        label: str, input_ids: Any, sampling: Sampling, rendered: RenderResult, render_s: float, received: float,
-        ctx: dict[str, Any], include_usage: bool,
+        self, call: _Call, input_ids: Any, sampling: Sampling, rendered: RenderResult, render_s: float
     ) -> web.StreamResponse:
-        req = st.request
+        st, proto, sstate = call.st, call.proto, call.sstate
         engine = self.engine_for(st)
-        rid = f"{req.rollout_id}|{call_id}"
-        model = conv.model or self.settings.model_name
-        stream = bool(conv.sampling.stream)
-        n_in = int(input_ids.shape[0])
-        resp: web.StreamResponse | None = None  # a stream whose head was sent while the engine worked
-        sstate = proto.new_state(model, n_in, include_usage=include_usage)
-
-        async def fail(reason: str) -> None:
-            await self.emit(CallFailed(rollout_id=req.rollout_id, call_id=call_id, seq=seq, reason=reason,
-                                       t=time.time()))
-
+        rid = f"{st.request.rollout_id}|{call.call_id}"
         engine_start = time.time()
         # The engine call runs as a plain asyncio task (aiohttp handlers always run on asyncio): most calls finish
         # within the first watch tick, and a task group + event + cancel scope per call cost more than the rest of
-        # the waiting. Streams send their head only when the engine has not answered within stream_head_s, so a
-        # quick answer goes out as one write (head, events and end together).
+        # the waiting.
+        task = asyncio.get_running_loop().create_task(_run_engine(engine, input_ids, sampling, rid))
+        resp, disconnected = await self._watch_engine(call, task, engine, rid)
+        engine_end = time.time()
+        # a stream whose head was not sent yet gets it in the same write as the rest (built first: Responses numbers
+        # its events in order)
+        head = proto.stream_open(sstate) if call.stream and resp is None and not disconnected else b""
+
+        if disconnected:
+            if not task.cancelled():
+                task.exception()  # retrieved: whatever the engine said no longer matters
+            self.log.bind(**call.ctx).info("client disconnected; engine request aborted")
+            await self._fail(call, "client disconnected")
+            return resp if resp is not None else web.Response(status=499)
+        result, error = task.result()
+        if error is not None:
+            kind, msg = error
+            self.log.bind(**call.ctx).warning("engine error", error=msg)
+            return await self._answer_error(call, resp, head, kind, msg, reason=msg)
+        assert result is not None
+        if result.finish_reason == "abort":
+            return await self._answer_error(call, resp, head, "server", "generation aborted",
+                                            reason="engine aborted the request")
+
+        out_ids = result.output_ids
+        parsed = self.renderer.parse(out_ids)
+        st.splicer.record(parsed, out_ids)
+        finish = "length" if result.finish_reason == "length" else ("tool_calls" if parsed.tool_calls else "stop")
+        n_in = int(input_ids.shape[0])
+        reply = Reply(parsed=parsed, finish=finish, input_tokens=n_in, output_tokens=len(out_ids), model=call.model,
+                      conv=call.conv)
+        if call.stream:
+            try:
+                answer = await self._finish_stream(call.request, resp, head, proto.stream_rest(sstate, reply),
+                                                   strict=True)
+            except (ConnectionError, RuntimeError):
+                # The harness never saw this answer, so it is no part of its trajectory: not a trainable call.
+                self.log.bind(**call.ctx).info("client disconnected before the answer was delivered")
+                await self._fail(call, "client disconnected before the answer was delivered")
+                st.calls += 1
+                return resp if resp is not None else web.Response(status=499)
+        else:
+            answer = web.Response(body=orjson.dumps(proto.response(reply)), content_type="application/json")
+        await self.emit(ModelCall(
+            rollout_id=st.request.rollout_id, call_id=call.call_id, seq=call.seq,
+            protocol=proto.name,  # type: ignore[arg-type]
+            label=call.label,  # type: ignore[arg-type]
+            input_ids=pack_i32(input_ids), output_ids=pack_i32(out_ids), logprobs=pack_f32(result.logprobs),
+            versions=_result_versions(result, self.policy_version), finish_reason=finish,
+            spliced_turns=len(rendered.spliced_turns), rendered_turns=len(rendered.rendered_turns), model=call.model,
+            timings=CallTimings(received=call.received, engine_start=engine_start, engine_end=engine_end,
+                                sent=time.time(), render_s=render_s),
+        ))
+        st.calls += 1
+        if self._stdlog.isEnabledFor(logging.DEBUG):
+            self.log.bind(**call.ctx).debug("call done", input_tokens=n_in, output_tokens=len(out_ids),
+                                            finish=finish, spliced=len(rendered.spliced_turns),
+                                            rendered=len(rendered.rendered_turns))
+        return answer
+
+    async def _fail(self, call: _Call, reason: str) -> None:
+        await self.emit(CallFailed(rollout_id=call.st.request.rollout_id, call_id=call.call_id, seq=call.seq,
+                                   reason=reason, t=time.time()))
+
+    async def _answer_error(self, call: _Call, resp: web.StreamResponse | None, head: bytes, kind: ErrorKind,
+                            message: str, *, reason: str) -> web.StreamResponse:
+        """Record the call as failed (``reason``) and tell the client ``message``: an error event on a stream."""
+        await self._fail(call, reason)
+        if call.stream:
+            return await self._finish_stream(call.request, resp, head,
+                                             call.proto.stream_error(call.sstate, kind, message))
+        return self._error(call.proto, kind, message)
+
+    async def _watch_engine(
+        self, call: _Call, task: asyncio.Task, engine: Engine, rid: str
+    ) -> tuple[web.StreamResponse | None, bool]:
+        """Wait for the engine ``task``, watching the connection every tick: a dropped client aborts the engine
+        request. Streams send their head only when the engine has not answered within stream_head_s (so a quick
+        answer goes out as one write: head, events and end together), then a protocol keep-alive every
+        keepalive_s. Returns (the stream whose head was sent, or None; whether the client disconnected); the
+        task is done on return."""
+        request, proto, sstate, stream = call.request, call.proto, call.sstate, call.stream
         loop = asyncio.get_running_loop()
-        task = loop.create_task(_run_engine(engine, input_ids, sampling, rid))
-        disconnected = False
+        resp: web.StreamResponse | None = None
+        keepalive_s = self.settings.keepalive_s
+        tick = min(0.5, keepalive_s)
+        next_keepalive = loop.time() + keepalive_s
+        wait_s = self.settings.stream_head_s if stream else tick
         try:
-            # While the engine works: watch the connection every tick (a dropped client aborts the engine request)
-            # and send a protocol keep-alive every keepalive_s on streams; a stream's first wait is stream_head_s.
-            keepalive_s = self.settings.keepalive_s
-            tick = min(0.5, keepalive_s)
-            next_keepalive = loop.time() + keepalive_s
-            wait_s = self.settings.stream_head_s if stream else tick
             while not task.done():
                 if wait_s > 0:
                     await asyncio.wait((task,), timeout=wait_s)
@@ -447,73 +492,14 @@ class Proxy:
                     except (ConnectionError, RuntimeError):
                         gone = True
                 if gone:
-                    disconnected = True
                     with anyio.move_on_after(10):
                         await engine.abort(rid)
-                    break
+                    return resp, True
         finally:
             if not task.done():  # the client left, or this handler was cancelled (server shutdown)
                 task.cancel()
                 await asyncio.wait((task,))
-        engine_end = time.time()
-        # a stream whose head was not sent yet gets it in the same write as the rest (built first: Responses numbers
-        # its events in order)
-        head = proto.stream_open(sstate) if stream and resp is None and not disconnected else b""
-
-        if disconnected:
-            if not task.cancelled():
-                task.exception()  # retrieved: whatever the engine said no longer matters
-            self.log.bind(**ctx).info("client disconnected; engine request aborted")
-            await fail("client disconnected")
-            return resp if resp is not None else web.Response(status=499)
-        result, error = task.result()
-        if error is not None:
-            kind, msg = error
-            self.log.bind(**ctx).warning("engine error", error=msg)
-            await fail(msg)
-            if stream:
-                return await self._finish_stream(request, resp, head, proto.stream_error(sstate, kind, msg))
-            return self._error(proto, kind, msg)
-        assert result is not None
-        if result.finish_reason == "abort":
-            await fail("engine aborted the request")
-            if stream:
-                return await self._finish_stream(request, resp, head,
-                                                 proto.stream_error(sstate, "server", "generation aborted"))
-            return self._error(proto, "server", "generation aborted")
-
-        out_ids = result.output_ids
-        parsed = self.renderer.parse(out_ids)
-        st.splicer.record(parsed, out_ids)
-        finish = "length" if result.finish_reason == "length" else ("tool_calls" if parsed.tool_calls else "stop")
-        reply = Reply(parsed=parsed, finish=finish, input_tokens=n_in, output_tokens=len(out_ids), model=model,
-                      conv=conv)
-        if stream:
-            try:
-                answer = await self._finish_stream(request, resp, head, proto.stream_rest(sstate, reply),
-                                                   strict=True)
-            except (ConnectionError, RuntimeError):
-                # The harness never saw this answer, so it is no part of its trajectory: not a trainable call.
-                self.log.bind(**ctx).info("client disconnected before the answer was delivered")
-                await fail("client disconnected before the answer was delivered")
-                st.calls += 1
-                return resp if resp is not None else web.Response(status=499)
-        else:
-            answer = web.Response(body=orjson.dumps(proto.response(reply)), content_type="application/json")
-        await self.emit(ModelCall(
-            rollout_id=req.rollout_id, call_id=call_id, seq=seq, protocol=proto.name,  # type: ignore[arg-type]
-            label=label,  # type: ignore[arg-type]
-            input_ids=pack_i32(input_ids), output_ids=pack_i32(out_ids), logprobs=pack_f32(result.logprobs),
-            versions=_result_versions(result, self.policy_version), finish_reason=finish,
-            spliced_turns=len(rendered.spliced_turns), rendered_turns=len(rendered.rendered_turns), model=model,
-            timings=CallTimings(received=received, engine_start=engine_start, engine_end=engine_end,
-                                sent=time.time(), render_s=render_s),
-        ))
-        st.calls += 1
-        if self._stdlog.isEnabledFor(logging.DEBUG):
-            self.log.bind(**ctx).debug("call done", input_tokens=n_in, output_tokens=len(out_ids), finish=finish,
-                                       spliced=len(rendered.spliced_turns), rendered=len(rendered.rendered_turns))
-        return answer
+        return resp, False
 
     @staticmethod
     async def _finish_stream(request: web.Request, resp: web.StreamResponse | None, head: bytes, rest: bytes, *,

@@ -74,17 +74,19 @@ def rollout_of(rid: str | None) -> str:
 class ScriptedEngine:
     """In-process :class:`pipeline.serving.engine.Engine` that plays a :class:`Script`."""
 
-    def __init__(self, renderer: Renderer, script: Script, *, weight_version: int = 0, context_len: int = 1 << 20):
+    def __init__(
+        self, renderer: Renderer, script: Script, *, weight_version: int = 0, context_length: int = 1 << 20
+    ):
         if not hasattr(renderer, "assistant_body"):
             raise TypeError("the scripted engine needs a renderer with assistant_body (e.g. the Qwen3 renderer)")
         self.renderer = renderer
         self.script = script
         self.version = weight_version
-        self.context_len = context_len
+        self.context_length = context_length
         self._next: dict[str, int] = {}
         self._paused = anyio.Event()
         self._paused.set()
-        self._aborted: set[str] = set()
+        self._aborts: dict[str, anyio.Event] = {}  # rid -> set once abort() was called for it
         self.calls = 0
 
     def responses_for(self, rollout_id: str) -> list[ScriptResponse]:
@@ -104,9 +106,9 @@ class ScriptedEngine:
     async def generate(self, input_ids: Sequence[int], sampling: Sampling, *, rid: str | None = None) -> GenerateResult:
         await self._paused.wait()
         rid = rid or f"scripted-{self.calls}"
-        if len(input_ids) >= self.context_len:
+        if len(input_ids) >= self.context_length:
             raise EngineBadRequest(
-                f"prompt of {len(input_ids)} tokens exceeds the context length {self.context_len}"
+                f"prompt of {len(input_ids)} tokens exceeds the context length {self.context_length}"
             )
         if self.calls in self.script.fail_calls:
             self.calls += 1
@@ -121,12 +123,14 @@ class ScriptedEngine:
         finish: Literal["stop", "length", "abort"] = "stop"
         if len(ids) > sampling.max_new_tokens:
             ids, finish = ids[: sampling.max_new_tokens], "length"
-        if self.script.latency_s:
-            with anyio.move_on_after(self.script.latency_s):
-                while rid not in self._aborted:
-                    await anyio.sleep(min(0.01, self.script.latency_s))
-        if rid in self._aborted:
-            self._aborted.discard(rid)
+        aborted = self._aborts.setdefault(rid, anyio.Event())
+        try:
+            if self.script.latency_s:
+                with anyio.move_on_after(self.script.latency_s):
+                    await aborted.wait()
+        finally:
+            self._aborts.pop(rid, None)
+        if aborted.is_set():
             return GenerateResult(rid=rid, output_ids=[], logprobs=[], finish_reason="abort",
                                   weight_version=str(self.version), version_spans=[(0, str(self.version))],
                                   prompt_tokens=len(input_ids))
@@ -148,13 +152,13 @@ class ScriptedEngine:
 
     async def abort(self, rid: str | None = None) -> None:
         if rid is not None:
-            self._aborted.add(rid)
+            self._aborts.setdefault(rid, anyio.Event()).set()
 
     async def health(self) -> bool:
         return True
 
     async def model_info(self) -> dict[str, Any]:
-        return {"model_path": "scripted", "weight_version": str(self.version), "context_len": self.context_len}
+        return {"model_path": "scripted", "weight_version": str(self.version), "context_length": self.context_length}
 
     async def aclose(self) -> None:
         return None

@@ -12,7 +12,7 @@ import asyncio
 import json
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
@@ -38,9 +38,8 @@ log = get_logger(actor="engine_client")
 _JSON = {"Content-Type": "application/json"}
 
 
-def generate_body(
-    input_ids: Sequence[int], sampling: Sampling, rid: str, *, stream: bool = False
-) -> dict[str, Any]:
+def generate_body(input_ids: Sequence[int], sampling: Sampling, rid: str) -> dict[str, Any]:
+    """A native, non-streaming ``/generate`` body asking for the output tokens' logprobs."""
     return {
         "rid": rid,
         # numpy arrays pass through untouched: orjson serializes them natively (20x faster than a list of ints)
@@ -49,7 +48,7 @@ def generate_body(
         "return_logprob": True,
         "logprob_start_len": -1,
         "top_logprobs_num": 0,
-        "stream": stream,
+        "stream": False,
     }
 
 
@@ -288,13 +287,13 @@ class HttpEngine:
         return aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout_s)
 
     async def _request(
-        self, method: str, url: str, body: Any = None, *, timeout: float | None = None
+        self, method: str, url: str, body: Any = None, *, timeout_s: float | None = None
     ) -> tuple[int, bytes]:
         try:
             data = None if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
             async with self._sess().request(
                 method, url, data=data, headers=_JSON if data is not None else None,
-                timeout=self._timeout(timeout or self.control_timeout_s),
+                timeout=self._timeout(timeout_s or self.control_timeout_s),
             ) as resp:
                 return resp.status, await resp.read()
         except TimeoutError:
@@ -329,7 +328,7 @@ class HttpEngine:
         if self._direct:
             status, raw = await self._post_generate(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY))
         else:
-            status, raw = await self._request("POST", url, body, timeout=self.timeout_s)
+            status, raw = await self._request("POST", url, body, timeout_s=self.timeout_s)
         res = parse_generate(self._check(url, status, raw), rid)
         if not res.prompt_tokens:
             res.prompt_tokens = len(input_ids)
@@ -384,42 +383,6 @@ class HttpEngine:
             return status, raw
         raise AssertionError("unreachable")
 
-    async def generate_stream(
-        self, input_ids: Sequence[int], sampling: Sampling, *, rid: str | None = None
-    ) -> AsyncIterator[GenerateResult]:
-        """Yield cumulative snapshots (``finished`` False) and finally the finished result."""
-        rid = rid or uuid.uuid4().hex
-        url = f"{self.base_url}/generate"
-        last: GenerateResult | None = None
-        try:
-            async with self._sess().post(
-                url,
-                data=orjson.dumps(generate_body(input_ids, sampling, rid, stream=True),
-                                  option=orjson.OPT_SERIALIZE_NUMPY),
-                headers=_JSON,
-                timeout=self._timeout(self.timeout_s),
-            ) as resp:
-                if resp.status != 200:
-                    self._check(url, resp.status, await resp.read())
-                async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    obj = json.loads(data)
-                    if isinstance(obj, dict) and "error" in obj and "meta_info" not in obj:
-                        raise EngineUnavailable(f"{url}: stream error: {_error_message(data)}")
-                    last = parse_generate(obj, rid, require_finish=False)
-                    yield last
-        except TimeoutError:
-            raise EngineUnavailable(f"POST {url} (stream) timed out") from None
-        except aiohttp.ClientError as e:
-            raise EngineUnavailable(f"POST {url} (stream) failed: {type(e).__name__}: {e}") from None
-        if last is None or not last.finished:
-            raise EngineProtocolError(f"request {rid}: stream ended without a finished chunk")
-
     # ------------------------------------------------------------------------------------------ control
     async def _control(self, path: str, body: Any) -> list[Any]:
         out = []
@@ -458,7 +421,7 @@ class HttpEngine:
 
     async def health(self) -> bool:
         try:
-            status, _ = await self._request("GET", f"{self.base_url}/health", timeout=self.connect_timeout_s)
+            status, _ = await self._request("GET", f"{self.base_url}/health", timeout_s=self.connect_timeout_s)
         except EngineUnavailable:
             return False
         return status == 200

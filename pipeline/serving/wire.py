@@ -1,4 +1,4 @@
-"""The three wire protocols the proxy speaks, as response builders (../shared/reference/wire-protocols.md).
+"""The three wire protocols the proxy speaks, as response builders (docs/wire-protocols.md).
 
 Each protocol turns one finished generation (a :class:`Reply`) into either a JSON body or the full sequence of
 SSE frames, and knows its opening events, its keep-alive and its error shapes. The proxy streams in a *buffered*

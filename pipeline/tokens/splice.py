@@ -1,4 +1,4 @@
-"""Token-in / token-out splicing (DESIGN.md §4): the policy is trained on the tokens it sampled and saw.
+"""Token-in / token-out splicing (docs/architecture.md): the policy is trained on the tokens it sampled and saw.
 
 One :class:`Splicer` per rollout. It remembers the sampled ids of every response the proxy served, keyed by the
 *normalized* parsed message (text stripped at its ends, thinking ignored, tool calls as name + canonical JSON with
@@ -120,10 +120,6 @@ class Splicer:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return self.renderer.stop_ids
-
-    @property
-    def responses(self) -> int:
-        return sum(len(v) for v in self._store.values())
 
     # ----------------------------------------------------------------------------------------- record
     def record(

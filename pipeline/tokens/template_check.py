@@ -1,4 +1,4 @@
-"""Template verification (DESIGN.md §4): is turn-by-turn rendering with splicing consistent with whole rendering?
+"""Template verification: is turn-by-turn rendering with splicing consistent with whole rendering?
 
 For each sample conversation the check plays the proxy: for every assistant turn it renders the request before
 that turn through a :class:`~pipeline.tokens.splice.Splicer`, takes the turn as the template itself would write it as
@@ -10,10 +10,11 @@ the model's "sampled" output, parses and records it, and moves on. It reports
   template (e.g. Qwen3 drops the thinking of turns before the last user message — expected there, and worth
   knowing: bridle trains on what the model saw, which is the incremental form).
 
-Each divergence names the token index and shows the tokens and the text on both sides.
+Each divergence names the token index and shows the tokens and the text on both sides. Why splicing needs this:
+docs/architecture.md.
 
-    report = check_template(renderer)          # in tests
-    startup_check(renderer)                    # at proxy start-up: logs a warning with the diff, never raises
+    report = check_template(renderer)   # in tests
+    startup_check(renderer)             # before serving with a template: logs a warning with the diff, never raises
 """
 
 from __future__ import annotations

@@ -354,11 +354,3 @@ class HFTokenizer(Tokenizer):
     def token_id(self, token: str) -> int | None:
         ids = self.hf.encode(token, add_special_tokens=False)
         return int(ids[0]) if len(ids) == 1 else None
-
-
-def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """``"qwen"`` (or ``"qwen3"``/``"qwen2.5"``) -> the offline Qwen tokenizer; a folder path -> HFTokenizer."""
-    s = str(spec)
-    if s.lower() in ("qwen", "qwen3", "qwen2.5", "builtin:qwen"):
-        return QwenTokenizer()
-    return HFTokenizer(s)

@@ -28,6 +28,8 @@ import numpy as np
 
 from pipeline.core.logs import get_logger
 from pipeline.messages import (
+    F32_DTYPE,
+    I32_DTYPE,
     GroupDropped,
     PackedTree,
     RolloutSummary,
@@ -40,7 +42,6 @@ from pipeline.trees.tree import Node, RolloutTree, TreeOptions, _lcp, build_tree
 log = get_logger(component="packing")
 
 MIN_VALID_ROLLOUTS = 2
-I32, F32 = np.dtype("<i4"), np.dtype("<f4")  # the PackedTree wire format
 
 
 class _G:
@@ -82,19 +83,19 @@ def _merge(groot: _G, tree: RolloutTree, r: int) -> None:
         trainable = node.trainable and included[node.call]
         tokens = node.tokens[off:]
         if not trainable and gp.open:
-            hit, l = None, 0
+            hit, shared = None, 0
             for g in gp.children:
                 if g.open and g.tokens[0] == tokens[0]:
-                    hit, l = g, _lcp(g.tokens, tokens)
+                    hit, shared = g, _lcp(g.tokens, tokens)
                     break
             if hit is not None:
-                if l < len(hit.tokens):
-                    tail = _G(hit.tokens[l:], None, False, hit.rollout, hit.segment, True)
+                if shared < len(hit.tokens):
+                    tail = _G(hit.tokens[shared:], None, False, hit.rollout, hit.segment, True)
                     tail.children, hit.children = hit.children, [tail]
-                    hit.tokens = hit.tokens[:l]
+                    hit.tokens = hit.tokens[:shared]
                 _share(hit, r, node.seg)
-                if l < len(tokens):
-                    stack.append((hit, node, off + l))
+                if shared < len(tokens):
+                    stack.append((hit, node, off + shared))
                 else:
                     stack.extend((hit, c, 0) for c in reversed(node.children) if c.kept)
                 continue
@@ -142,15 +143,16 @@ def pack_trees(trees: Sequence[RolloutTree]) -> PackedTree:
             f"pack_trees: {total} tokens do not fit int32 indices; pack fewer rollouts per group"
         )
 
-    # One pass per output array, filled node by node (a few thousand slices) rather than with temporaries.
-    tokens = np.empty(total, dtype=I32)
-    positions = np.empty(total, dtype=I32)
-    subtree_end = np.empty(total, dtype=I32)
-    pred = np.empty(total, dtype=I32)
+    # One pass per output array, filled node by node (a few thousand slices) rather than with temporaries; each
+    # array is in its wire dtype, so tobytes() below is the PackedTree field.
+    tokens = np.empty(total, dtype=I32_DTYPE)
+    positions = np.empty(total, dtype=I32_DTYPE)
+    subtree_end = np.empty(total, dtype=I32_DTYPE)
+    pred = np.empty(total, dtype=I32_DTYPE)
     trainable = np.zeros(total, dtype=np.uint8)
-    logprobs = np.zeros(total, dtype=F32)
-    rollout = np.empty(total, dtype=I32)
-    segment = np.empty(total, dtype=I32)
+    logprobs = np.zeros(total, dtype=F32_DTYPE)
+    rollout = np.empty(total, dtype=I32_DTYPE)
+    segment = np.empty(total, dtype=I32_DTYPE)
     ramp = np.arange(int(lengths.max()), dtype=np.int32)
     depth0 = [0] * n_nodes  # position of each node's first token
     for k, g in enumerate(order):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import uuid
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import anyio
@@ -19,8 +21,8 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.models.small import IM_END, IM_START, VocabTable, create_small_model, load_vocab_table
 from pipeline.serving.engine import EngineBadRequest, GenerateResult, Sampling
-from pipeline.serving.launch import start_embedded_engine
-from pipeline.serving.sglang_client import HttpEngine
+from pipeline.serving.launch import launch_embedded
+from pipeline.serving.sglang_client import HttpEngine, generate_body, parse_generate
 
 pytestmark = pytest.mark.slow  # every test starts the engine process
 
@@ -59,9 +61,38 @@ def engine(tmp_path_factory):
     p0 = create_small_model(root / "v0", seed=0, **kw)
     p1 = create_small_model(root / "v1", seed=1, **kw)
     with anyio.from_thread.start_blocking_portal() as portal:
-        cm = start_embedded_engine(p0, threads=1, context_length=CONTEXT, timeout_s=120)
+        cm = launch_embedded(p0, threads=1, context_length=CONTEXT, timeout_s=120)
         with portal.wrap_async_context_manager(cm) as client:
             yield Engine(client.base_url, {str(v): str(p1 if v % 2 else p0) for v in range(5)})
+
+
+async def generate_stream(url: str, input_ids: list[int], sampling: Sampling) -> AsyncIterator[GenerateResult]:
+    """The engine's streaming /generate as snapshots: cumulative ``data:`` chunks, the last one finished.
+
+    The pipeline never streams from the engine (HttpEngine sends non-streaming calls only); the engine still
+    serves streams, as SGLang does."""
+    rid = uuid.uuid4().hex
+    body = {**generate_body(input_ids, sampling, rid), "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(f"{url}/generate", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                return
+            yield parse_generate(json.loads(data), rid, require_finish=False)
+    raise AssertionError("the stream ended without data: [DONE]")
+
+
+async def poll_server_info(c: HttpEngine, done: Callable[[dict], bool], interval_s: float = 0.01) -> None:
+    """Wait until ``done(/server_info)``: the engine's state lives in another process, so poll it."""
+    with anyio.fail_after(120):
+        while True:
+            if done(await c.server_info()):
+                return
+            await anyio.sleep(interval_s)
 
 
 def reference(engine: Engine, prompt: list[int], res: GenerateResult, temperature: float) -> torch.Tensor:
@@ -70,7 +101,7 @@ def reference(engine: Engine, prompt: list[int], res: GenerateResult, temperatur
     ids = torch.as_tensor(vocab.to_compact(prompt + res.output_ids))
     out = torch.empty(len(res.output_ids))
     bounds = [s for s, _ in res.version_spans] + [len(res.output_ids)]
-    for (start, version), end in zip(res.version_spans, bounds[1:]):
+    for (start, version), end in zip(res.version_spans, bounds[1:], strict=True):
         with torch.no_grad():
             logits = engine.model(version)(input_ids=ids[None]).logits[0].float()
         lp = torch.log_softmax(logits / temperature if temperature >= 1e-6 else logits, dim=-1)
@@ -118,7 +149,7 @@ def test_concurrent_padded_batch_logprobs_equal_teacher_forcing(engine):
 
     results, info = engine.run(go)
     assert info["max_batch"] > 1
-    for p, res in zip(prompts, results):
+    for p, res in zip(prompts, results, strict=True):
         assert len(res.output_ids) == len(res.logprobs) == 40
         assert set(res.output_ids) <= set(load_vocab_table(engine.paths["0"]).ids)
         ref = reference(engine, p, res, 0.7)
@@ -196,8 +227,7 @@ def test_abort_returns_partial_output(engine):
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(long)
-            while (await c.server_info())["running"] == 0:
-                await anyio.sleep(0.01)
+            await poll_server_info(c, lambda info: info["running"] > 0)
             await c.abort("ab-1")
         return got[0]
 
@@ -220,8 +250,7 @@ def test_32_concurrent_requests_share_one_batch(engine):
         async with anyio.create_task_group() as tg:
             for i in range(32):
                 tg.start_soon(one, i)
-            while (await c.server_info())["waiting"] < 32:
-                await anyio.sleep(0.01)
+            await poll_server_info(c, lambda info: info["waiting"] >= 32)
             await c.resume()
         return results, before, await c.server_info()
 
@@ -240,7 +269,7 @@ def test_streaming_chunks_are_cumulative_and_match_non_streaming(engine):
     s = Sampling(temperature=0.9, max_new_tokens=10, ignore_eos=True, seed=7)
 
     async def go(c):
-        chunks = [r async for r in c.generate_stream(prompt, s)]
+        chunks = [r async for r in generate_stream(engine.url, prompt, s)]
         return chunks, await c.generate(prompt, s)
 
     chunks, plain = engine.run(go)
@@ -284,7 +313,7 @@ def test_bad_input_gets_400_and_the_engine_keeps_serving(engine):
         return out, ok, await c.health(), await c.model_info()
 
     out, ok, healthy, info = engine.run(go)
-    for (status, message), (_, needle) in zip(out, cases):
+    for (status, message), (_, needle) in zip(out[: len(cases)], cases, strict=True):
         assert status == 400 and needle in message, (status, message, needle)
     assert out[-2][0] == 400 and "malformed JSON" in out[-2][1]
     assert "not a directory" in out[-1][1]
@@ -309,7 +338,7 @@ def test_update_weights_mid_request_records_version_spans(engine):
             for i in range(3):
                 tg.start_soon(other, i)
             chunks = 0
-            async for snap in c.generate_stream(prompt, long):
+            async for snap in generate_stream(engine.url, prompt, long):
                 chunks += 1
                 if chunks == 5:
                     await c.pause("in_place")
@@ -351,8 +380,7 @@ def test_update_weights_without_pause_fails_no_request(engine):
         async with anyio.create_task_group() as tg:
             for i in range(8):
                 tg.start_soon(one, i)
-            while (await c.server_info())["running"] < 8:
-                await anyio.sleep(0.005)
+            await poll_server_info(c, lambda info: info["running"] >= 8, 0.005)
             await c.update_weights(engine.paths["3"], 3)
         await c.update_weights(engine.paths["4"], 4)  # back to the seed-0 weights
         return results, start

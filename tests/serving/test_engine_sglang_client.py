@@ -1,4 +1,4 @@
-"""HttpEngine against a fake SGLang that answers exactly the documented JSON (reference/sglang-api.md)."""
+"""HttpEngine against a fake SGLang that answers exactly the JSON of SGLang's documented native API."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.messages import SamplingParams, VersionSpan
+from pipeline.messages import VersionSpan
 from pipeline.serving.engine import (
     EngineBadRequest,
     EngineProtocolError,
@@ -61,13 +61,6 @@ class FakeSGLang:
             return web.json_response({"model_path": "/ckpt/base", "is_generation": True})
         if path == "/generate":
             status, reply = self.replies[body["rid"]]
-            if body.get("stream"):
-                resp = web.StreamResponse()
-                await resp.prepare(request)
-                for chunk in reply:
-                    await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                await resp.write(b"data: [DONE]\n\n")
-                return resp
             return web.Response(status=status, text=reply if isinstance(reply, str) else json.dumps(reply))
         if path == "/update_weights_from_disk":
             ok = body["model_path"] != "/bad"
@@ -249,7 +242,7 @@ def test_control_calls_reach_every_worker():
     assert control[10][0] == "/update_weights_from_disk"  # the first worker refused; no second call
 
 
-def test_streaming_cumulative_chunks():
+def test_unfinished_chunks_parse_when_allowed():
     meta = DOC_STOP["meta_info"]
     chunks = []
     for n in (1, 2, 3):
@@ -265,13 +258,11 @@ def test_streaming_cumulative_chunks():
             }
         )
 
-    async def go(c, _):
-        return [r async for r in c.generate_stream([1], Sampling(), rid="s")]
-
-    snaps, fake = run_with_fake(go, {"s": (200, chunks)})
+    snaps = [parse_generate(c, "s", require_finish=False) for c in chunks]
     assert [s.output_ids for s in snaps] == [[785], [785, 4226], [785, 4226, 151645]]
     assert [s.finished for s in snaps] == [False, False, True] and snaps[-1].matched_stop == 151645
-    assert fake.calls[0][1]["stream"] is True
+    with pytest.raises(EngineProtocolError, match="without finish_reason"):
+        parse_generate(chunks[0], "s")
 
 
 def test_attach_waits_for_a_running_server():
@@ -288,9 +279,9 @@ def test_attach_waits_for_a_running_server():
     assert anyio.run(main)[0].startswith("http://127.0.0.1:")
 
 
-def test_sampling_from_rollout_params():
-    s = Sampling.from_params(SamplingParams(temperature=0.6, top_k=20, max_new_tokens=77, seed=4), [151645])
-    assert s.to_sglang()["stop_token_ids"] == [151645] and s.max_new_tokens == 77 and s.seed == 4
+def test_sampling_seed_is_sent_only_when_set():
+    s = Sampling(temperature=0.6, top_k=20, max_new_tokens=77, stop_token_ids=(151645,), seed=4).to_sglang()
+    assert s["stop_token_ids"] == [151645] and s["max_new_tokens"] == 77 and s["sampling_seed"] == 4
     assert "sampling_seed" not in Sampling().to_sglang()
 
 

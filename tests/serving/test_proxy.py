@@ -11,8 +11,8 @@ import numpy as np
 import openai
 import pytest
 
-from pipeline.messages import CallFailed, CallStarted, ModelCall, ids
-from pipeline.serving.proxy import detect_label
+from pipeline.messages import CallFailed, CallStarted, ModelCall, floats, ids
+from pipeline.serving.labels import detect_label
 from pipeline.serving.scripted import Script
 from pipeline.tokens.conversation import from_anthropic, from_chat
 from tests.helpers.proxyutil import (
@@ -92,7 +92,7 @@ async def test_chat_completions_tool_loop(stream):
     assert [c.spliced_turns for c in calls] == [0, 1, 2] and all(c.rendered_turns == 0 for c in calls)
     assert [type(r) for r in records] == [CallStarted, ModelCall] * 3
     assert all(c.protocol == "chat" and c.label == "main" for c in calls)
-    assert len(ids(calls[0].output_ids)) == len(np.frombuffer(calls[0].logprobs, np.float32))
+    assert len(ids(calls[0].output_ids)) == len(floats(calls[0].logprobs))
 
 
 @pytest.mark.parametrize("stream", [False, True])

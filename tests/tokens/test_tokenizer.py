@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.tokens.templates import QWEN3_CHAT_TEMPLATE
-from pipeline.tokens.tokenizer import HFTokenizer, QwenTokenizer, load_tokenizer, qwen_hf_folder
+from pipeline.tokens.tokenizer import HFTokenizer, QwenTokenizer, qwen_hf_folder
 
 SPECIALS = {
     "<|endoftext|>": 151643,
@@ -64,10 +64,9 @@ def test_known_ids(qwen):
     assert qwen.vocab_size == 151669
 
 
-def test_load_tokenizer_names(qwen):
-    assert isinstance(load_tokenizer("qwen3"), QwenTokenizer)
+def test_hf_tokenizer_names_a_missing_folder():
     with pytest.raises(FileNotFoundError, match="tokenizer folder"):
-        load_tokenizer("/nonexistent/model")
+        HFTokenizer("/nonexistent/model")
 
 
 @pytest.mark.parametrize("text", VARIED)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.messages import RolloutSummary, TreeGroup
+from pipeline.messages import RolloutSummary, TreeGroup, ids
 from pipeline.training import tree_attention as ta
 from pipeline.training.learner import Learner, LearnerConfig
 from tests.helpers.learner_trees import Item, group, pack_paths, random_paths, tiny_qwen3
@@ -130,7 +130,10 @@ def test_seq_mean_token_mean_weighs_every_rollout_the_same():
         logp0 = torch.log_softmax(model(torch.tensor([[11, 12, 20]])).logits[0], -1)
         logp1 = torch.log_softmax(model(torch.tensor([[11, 12]])).logits[0], -1)
     a = 0.5 / np.std([1.0, 0.0], ddof=1)
-    term = lambda lp, lr, adv: (torch.exp(lp - lr).clamp(max=2.0) * adv).item()
+
+    def term(lp, lr, adv):
+        return (torch.exp(lp - lr).clamp(max=2.0) * adv).item()
+
     r0 = (term(logp0[1, 20], -5.0, a) + term(logp0[2, 21], -0.01, a)) / 2
     r1 = term(logp1[1, 30], -1.0, -a)
     assert metrics["trainable_tokens"] == 3
@@ -257,7 +260,7 @@ def test_checkpoint_resume_reproduces_training(tmp_path):
     assert (b.step, b.version, b.scheduler.last_epoch) == (1, 1, 1)
     b.train_step(batches[1])
     b.train_step(batches[2])
-    for (k, va), vb in zip(a.net.state_dict().items(), b.net.state_dict().values()):
+    for (k, va), vb in zip(a.net.state_dict().items(), b.net.state_dict().values(), strict=True):
         torch.testing.assert_close(va, vb, msg=k)
     assert a.scheduler.get_last_lr() == b.scheduler.get_last_lr()
     sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
@@ -316,7 +319,7 @@ def test_flex_attention_path_equals_dense():
 def test_micro_batches_split_at_roots_without_changing_the_step():
     """Segments (extra roots) may land in different micro-batches; loss and gradients stay the same."""
     groups = _random_groups(1) + _random_groups(2)
-    assert any((np.frombuffer(g.packed.pred, "<i4") == -1).sum() > 1 for g in groups)
+    assert any((ids(g.packed.pred) == -1).sum() > 1 for g in groups)
     model = tiny_qwen3(1)
     whole = _learner(copy.deepcopy(model), micro_batch_tokens=100_000)
     split = _learner(copy.deepcopy(model), micro_batch_tokens=1)
@@ -342,7 +345,7 @@ def test_tree_builder_groups_match_the_reference():
         msg = assemble_group([g.settled for g in generate_group(rng, spec, 3)])
         assert isinstance(msg, TreeGroup), msg
         groups.append(msg)
-    vocab = 1 + max(int(np.frombuffer(g.packed.tokens, "<i4").max()) for g in groups)
+    vocab = 1 + max(int(ids(g.packed.tokens).max()) for g in groups)
     model = tiny_qwen3(3, vocab=vocab)
     tree = _learner(copy.deepcopy(model), micro_batch_tokens=64)
     ref = _learner(copy.deepcopy(model), attention="reference")

@@ -1,4 +1,4 @@
-"""The embedded engine's continuous-batching scheduler, driven step by step in-process (no HTTP, no thread).
+"""The embedded engine's continuous batcher, driven step by step in-process (no HTTP, no thread).
 
 Property: whatever the arrival pattern (requests joining between decode steps, finishing at different lengths,
 prompts of different lengths -> left padding), every token's log-probability equals a teacher-forced forward of
@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.models.small import VocabTable, create_small_model
-from pipeline.serving.embedded_engine import ModelRunner, Req, Scheduler
+from pipeline.serving.embedded.batcher import Add, Batcher, Req, Stop
+from pipeline.serving.embedded.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def teacher_forced(
     st.integers(1, 4),
 )
 def test_batched_logprobs_equal_teacher_forcing(runner, reqs, max_running):
-    sched = Scheduler(runner, version="0", max_running=max_running)
+    batcher = Batcher(runner, version="0", max_running=max_running)
     sink: dict = {}
     made = []
     for i, (plen, n, _, temp) in enumerate(reqs):
@@ -85,18 +86,18 @@ def test_batched_logprobs_equal_teacher_forcing(runner, reqs, max_running):
         made.append(make_req(f"r{i}", prompt, n, temp, seed=i, sink=sink))
     step = 0
     while len(sink) < len(made):
-        for req, (_, _, arrive, _) in zip(made, reqs):
+        for req, (_, _, arrive, _) in zip(made, reqs, strict=True):
             if arrive == step:
-                sched._command("add", req)
-        sched._drop_finished()
-        sched._admit()
-        if sched.rows:
-            sched._step()
-        sched._drop_finished()
+                batcher._command(Add(req))
+        batcher._drop_finished()
+        batcher._admit()
+        if batcher.rows:
+            batcher._step()
+        batcher._drop_finished()
         step += 1
         assert step < 200
-    assert not sched.rows and not sched.waiting
-    for req, (_, n, _, temp) in zip(made, reqs):
+    assert not batcher.rows and not batcher.waiting
+    for req, (_, n, _, temp) in zip(made, reqs, strict=True):
         out = sink[req.rid]
         assert len(out["output_ids"]) == n and out["meta_info"]["finish_reason"] == {
             "type": "length",
@@ -108,32 +109,32 @@ def test_batched_logprobs_equal_teacher_forcing(runner, reqs, max_running):
 
 
 def test_a_failing_step_answers_every_running_request_and_the_engine_continues(runner, monkeypatch):
-    sched = Scheduler(runner, version="0", max_running=4)
+    batcher = Batcher(runner, version="0", max_running=4)
     sink: dict = {}
     for i in range(3):
-        sched._command("add", make_req(f"f{i}", [1, 2, 3 + i], 5, 1.0, i, sink))
+        batcher._command(Add(make_req(f"f{i}", [1, 2, 3 + i], 5, 1.0, i, sink)))
     real = runner.decode
     monkeypatch.setattr(runner, "decode", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
-    sched.thread.start()
+    batcher.thread.start()
     try:
         # the thread picks the requests up from its inbox; inject them through submit for realism
         for i in range(3, 5):
-            sched.submit("add", make_req(f"f{i}", [4, 5], 5, 1.0, i, sink))
+            batcher.submit(Add(make_req(f"f{i}", [4, 5], 5, 1.0, i, sink)))
         deadline = 200
         while len(sink) < 5 and deadline:
-            sched.thread.join(0.05)
+            batcher.thread.join(0.05)
             deadline -= 1
         assert all(sink[f"f{i}"] == {"error": "RuntimeError: boom"} for i in range(5))
         monkeypatch.setattr(runner, "decode", real)
-        sched.submit("add", make_req("ok", [1, 2], 4, 1.0, 0, sink))
+        batcher.submit(Add(make_req("ok", [1, 2], 4, 1.0, 0, sink)))
         deadline = 200
         while "ok" not in sink and deadline:
-            sched.thread.join(0.05)
+            batcher.thread.join(0.05)
             deadline -= 1
-        assert len(sink["ok"]["output_ids"]) == 4 and sched.info()["last_error"] == "RuntimeError: boom"
+        assert len(sink["ok"]["output_ids"]) == 4 and batcher.info()["last_error"] == "RuntimeError: boom"
     finally:
-        sched.submit("stop")
-        sched.thread.join(10)
+        batcher.submit(Stop())
+        batcher.thread.join(10)
 
 
 def test_full_vocabulary_model(tmp_path):
@@ -142,16 +143,16 @@ def test_full_vocabulary_model(tmp_path):
     full = ModelRunner(Path(path), torch.float32, context_length=64)
     assert full.vocab is None and full.input_vocab == full.model_vocab == 151_936
     assert full.eos_ids == {151_643, 151_645}
-    sched = Scheduler(full, version="0", max_running=2)
+    batcher = Batcher(full, version="0", max_running=2)
     sink: dict = {}
     prompt = [151_644, 9707, 11, 1879]
     for i in range(2):
-        sched._command("add", make_req(f"q{i}", prompt[: 2 + i], 6, 0.9, i, sink))
+        batcher._command(Add(make_req(f"q{i}", prompt[: 2 + i], 6, 0.9, i, sink)))
     while len(sink) < 2:
-        sched._admit()
-        if sched.rows:
-            sched._step()
-        sched._drop_finished()
+        batcher._admit()
+        if batcher.rows:
+            batcher._step()
+        batcher._drop_finished()
     for i in range(2):
         req_prompt = prompt[: 2 + i]
         out = sink[f"q{i}"]
@@ -181,11 +182,11 @@ def test_sampler_follows_the_filtered_distribution(runner, temperature, top_k, t
     expected /= expected.sum()
 
     n = 4000
-    sched = Scheduler(runner, version="0", max_running=n)
+    batcher = Batcher(runner, version="0", max_running=n)
     reqs = [make_req(str(i), [1], 10, temperature, seed=i, sink={}) for i in range(n)]
     for r in reqs:
         r.top_k, r.top_p, r.n_cached = top_k, top_p, 1
-    sched._sample(reqs, logits.expand(n, v).clone())
+    batcher._sample(reqs, logits.expand(n, v).clone())
     toks = torch.tensor([r.out_model[0] for r in reqs])
     freq = torch.bincount(toks, minlength=v).double() / n
     assert set(toks.tolist()) <= set(torch.nonzero(keep)[:, 0].tolist())

@@ -1,0 +1,26 @@
+"""The embedded policy engine: a small torch inference server that speaks SGLang's native HTTP subset.
+
+Run it as its own process (``python -m pipeline.serving.embedded --model DIR --port N``) or from Python with
+:func:`pipeline.serving.launch.launch_embedded`; talk to it with
+:class:`pipeline.serving.sglang_client.HttpEngine`, the client that talks to SGLang. Three parts, one per module:
+
+- :mod:`~pipeline.serving.embedded.runner`: the model (a HF folder) and its forward passes: prefill, one batched
+  decode step, reading and applying a checkpoint's weights.
+- :mod:`~pipeline.serving.embedded.batcher`: the decode thread. Between two decode steps it applies the server's
+  commands (abort, pause, weight update), admits waiting requests (each prefilled on its own, then left-padded
+  into the running batch's KV cache) and decodes one token for every running request in one batched forward.
+- :mod:`~pipeline.serving.embedded.server`: request validation and the aiohttp server on the main thread.
+
+Log-probabilities are SGLang's: ``log_softmax(logits / T)`` of the sampled token, before top-k/top-p filtering;
+``T < 1e-6`` means greedy and ``log_softmax(logits)``. Each request may carry ``sampling_seed``; its tokens are
+drawn from its own generator, so the same seed gives the same output whatever else runs.
+
+Weight updates apply between decode steps without failing running requests. Running requests' KV caches are
+recomputed with the new weights, so every output token is sampled from exactly one version's distribution
+given the full context; ``meta_info["weight_version_spans"]`` lists ``[start_index, version]`` per version
+(``weight_version`` is the version of the last token).
+
+Reduced vocabulary (``bridle_vocab.json`` in the model folder, see :mod:`pipeline.models.small`): incoming Qwen
+ids are mapped to compact ids (unknown ones to the UNK slot), sampled ids are mapped back; the HTTP side only
+ever sees Qwen ids. The engine has no tokenizer: ``text`` in responses is always empty.
+"""

@@ -1,0 +1,42 @@
+"""``python -m pipeline.serving.embedded --model DIR --port N``: the embedded engine's command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import torch
+
+import pipeline.serving.embedded as package
+from pipeline.core.logs import configure
+from pipeline.serving.embedded.server import serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.serving.embedded", description=(package.__doc__ or "").split("\n")[0]
+    )
+    p.add_argument("--model", required=True, help="HF model folder (config.json + *.safetensors)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --port-file)")
+    p.add_argument("--port-file", default="", help="write the bound port here once serving")
+    p.add_argument("--weight-version", default="0")
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0 = half the cores: oversubscribed OpenMP threads are much slower)",
+    )
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    configure(level=args.log_level)
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The embedded engine's model: loading a HF folder, prefill and batched decode, reading and applying weights.
+
+A :class:`ModelRunner` is used only from the decode thread (and at load time, and :meth:`ModelRunner.read_weights`
+from a worker thread of the server); it knows nothing about requests or HTTP. With a reduced vocabulary
+(``bridle_vocab.json`` in the model folder, see :mod:`pipeline.models.small`) it maps Qwen ids to the model's
+compact rows and back: :meth:`to_model` / :meth:`to_outside`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+from pipeline.models.small import VocabTable, load_vocab_table
+
+# A KV cache as plain tensors: one (keys, values) pair per layer, each [batch, kv heads, sequence, head dim].
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class BadRequest(Exception):
+    """A request the engine refuses with HTTP 400; the message says what to change."""
+
+
+class ModelRunner:
+    """The model and its forward passes (see the module docstring for which thread calls what)."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, context_length: int | None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = model_dir
+        self.vocab: VocabTable | None = load_vocab_table(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.config = self.model.config
+        self.dtype = dtype
+        self.model_vocab = int(self.config.vocab_size)
+        if self.vocab is not None and self.vocab.size != self.model_vocab:
+            raise ValueError(
+                f"{model_dir}: bridle_vocab.json has {self.vocab.size} ids but config.json vocab_size is "
+                f"{self.model_vocab}; the table must list one Qwen id per model row"
+            )
+        self.input_vocab = self.vocab.qwen_vocab_size if self.vocab else self.model_vocab
+        max_pos = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
+        self.context_length = min(context_length or max_pos, max_pos)
+        eos = self.config.eos_token_id
+        eos_compact = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.eos_ids = frozenset(int(i) for i in self.to_outside(eos_compact))
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def to_model(self, ids: list[int]) -> list[int]:
+        """Qwen ids -> the model's rows (ids outside a reduced table map to its UNK row)."""
+        return ids if self.vocab is None else self.vocab.to_compact(ids).tolist()
+
+    def to_outside(self, ids: list[int]) -> list[int]:
+        """The model's rows -> Qwen ids."""
+        return ids if self.vocab is None else self.vocab.to_qwen(ids).tolist()
+
+    def new_cache(self, kv: KV | None = None):
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=kv, config=self.config) if kv else DynamicCache(config=self.config)
+
+    @staticmethod
+    def cache_kv(cache) -> KV:
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> tuple[torch.Tensor, KV]:
+        """Logits after the last token (float32, [V]) and the sequence's KV per layer ([1, H, L, D])."""
+        cache = self.new_cache()
+        out = self.model(
+            input_ids=torch.tensor([ids], dtype=torch.long),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        return out.logits[0, -1].float(), self.cache_kv(cache)
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int], mask: torch.Tensor, cache) -> torch.Tensor:
+        """One batched step: next-token logits [B, V] (float32). ``mask`` covers the cache plus the new token."""
+        out = self.model(
+            input_ids=torch.tensor(tokens, dtype=torch.long)[:, None],
+            position_ids=torch.tensor(positions, dtype=torch.long)[:, None],
+            attention_mask=mask,
+            use_cache=True,
+            **{self._cache_kw: cache},
+        )
+        return out.logits[:, -1].float()
+
+    def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
+        """Load and check a checkpoint folder's tensors against the running model (runs off the decode thread)."""
+        from safetensors.torch import load_file
+
+        if not path.is_dir():
+            raise BadRequest(f"model_path {str(path)!r} is not a directory")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise BadRequest(f"model_path {str(path)!r} has no *.safetensors files")
+        table = load_vocab_table(path)
+        if table != self.vocab:
+            raise BadRequest(
+                f"{path}: its bridle_vocab.json differs from the running model's (or one of them has none); "
+                "a weight update cannot change the vocabulary"
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        own = self.model.state_dict()
+        tied = {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
+        missing = sorted(set(own) - set(tensors) - tied)
+        unexpected = sorted(set(tensors) - set(own))
+        if missing or unexpected:
+            raise BadRequest(
+                f"{path}: checkpoint does not match the running model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+        for name, t in tensors.items():
+            if t.shape != own[name].shape:
+                raise BadRequest(
+                    f"{path}: tensor {name} has shape {tuple(t.shape)}, the model has {tuple(own[name].shape)}"
+                )
+        return tensors
+
+    @torch.inference_mode()
+    def apply_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy checked tensors (from :meth:`read_weights`) into the model in place; on the decode thread."""
+        own = self.model.state_dict()
+        for name, t in tensors.items():
+            own[name].copy_(t.to(own[name].dtype))
