@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+import msgspec
 from pathlib import Path
 
 # Every example is run by tests/e2e/test_cli.py::test_every_help_example_runs (RUN_DIR and LOG stand for a
@@ -20,7 +22,8 @@ EXAMPLES: list[tuple[str, str]] = [
     ("python run.py --replay LOG", "summary of a recorded run"),
     ("python run.py --replay LOG --json", "the same as one JSON object"),
     ("python run.py --replay LOG --calls", "every recorded model call, one line each"),
-    ("python run.py --replay LOG --trees", "each rollout's prefix tree statistics"),
+    ("python run.py --replay LOG --trees", "each rollout's prefix tree, how each call joined it, totals per harness"),
+    ("python run.py --replay LOG --trees --json", "the same as one JSON object"),
     ("python run.py --replay LOG --stage trees", "rebuild the trees; compares their hashes"),
     ("python run.py --replay LOG --stage learner", "rerun the updates; compares the batch hashes"),
     ("python run.py --build-images", "build the Docker sandbox images (needs a Docker engine)"),
@@ -68,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="read a recorded event log (runs/<run>/events.msgpack): print a summary (messages per type, "
         "rollouts, steps, time span), or with --stage re-feed recorded messages into part of the graph",
     )
-    p.add_argument("--json", action="store_true", help="with --replay: print the summary as one JSON object")
+    p.add_argument("--json", action="store_true",
+                   help="with --replay (and --trees): print the summary (the tree report) as one JSON object")
     p.add_argument(
         "--stage",
         metavar="ACTOR[,ACTOR]",
@@ -81,9 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--trees",
         action="store_true",
-        help="with --replay: rebuild each settled rollout's prefix tree and print its statistics (calls, leaves, "
-        "kept leaves, segments, depth, tokens total/packed/trainable, exact-prefix attach rate, drops by reason); "
-        "with --calls too, the tree call by call",
+        help="with --replay: rebuild each rollout's prefix tree (any log: a --serve recording too) and print its "
+        "statistics (how each call joined the tree, what was trained, tokens, rewrites, drops) and totals per "
+        "harness; with --calls the tree call by call; with --json one JSON object",
     )
     p.add_argument(
         "--serve",
@@ -134,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             if log_path.is_dir():
                 log_path = log_path / "events.msgpack"
             if args.trees:
-                print("\n".join(launch.tree_lines(log_path, calls=args.calls)))
+                from pipeline.cli import tree_report
+
+                rep, trees = tree_report.report(log_path)
+                print(msgspec.json.encode(rep).decode() if args.json else tree_report.text(rep, trees, args.calls))
                 return 0
             if args.calls:
                 print("\n".join(launch.call_lines(log_path)))

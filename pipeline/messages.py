@@ -228,7 +228,14 @@ class TreeStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens_total: int = 0  # tokens of all calls as the harness sent them (input + output, summed over calls)
     tokens_packed: int = 0  # tokens actually stored (shared prefixes once)
     tokens_trainable: int = 0
+    tokens_output: int = 0  # output tokens of all calls (what could have been trained)
+    # Share of the calls after the first that attach at an exact prefix: their input extends an earlier call's
+    # whole history, or is an earlier call's input (a retry). A rollout of new roots reads 0 %.
     exact_prefix_attach_rate: float = 0.0
+    attach: dict[str, int] = msgspec.field(default_factory=dict)  # how each call joined: first, exact, rewrite:*, ...
+    calls_by_fate: dict[str, int] = msgspec.field(default_factory=dict)  # trained, auxiliary, not_trained
+    # Main-agent segments beyond the first that no compaction explains: calls the builder could not join.
+    unjoined_segments: int = 0
     dropped: dict[str, int] = msgspec.field(default_factory=dict)  # reason -> count
 
 

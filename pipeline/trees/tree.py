@@ -1,4 +1,4 @@
-"""The prefix tree of one rollout's model calls, and the filters that decide what is trained (DESIGN.md §5).
+"""The prefix tree of one rollout's model calls, and the filters that decide what is trained (docs/trees.md).
 
 Each call i is (x_i, y_i): input ids and sampled output ids. Its accumulated history is x_i + y_i. Calls are
 inserted in ``seq`` order into a radix tree (nodes hold runs of tokens, never single tokens) rooted at the empty
@@ -7,12 +7,17 @@ node (kept for attention, never trained) and y_i a trainable node with its logpr
 merged with anything, even with identical tokens: two samples are two actions.
 
 The builder then sorts calls into *chains* (roots tied to the rollout): a call whose matched prefix contains an
-earlier call's output continues that call's chain; a call that only shares environment tokens (e.g. the system
-prompt) starts a new chain, unless its input equals an existing root call's input exactly (a retried first turn).
+earlier call's output continues that call's chain; so does a call that continues an earlier one after a rewrite
+the harness is known to make (``REWRITES``: OpenClaw drops the trailing "internal context" turn of every request
+before the next one; the earlier call's own path is then kept too, not treated as a dead branch). A call that
+only shares environment tokens (e.g. the system prompt) starts a new chain, unless its input equals an existing
+root call's input exactly (a retried first turn).
 A new chain is a *subagent* when the proxy labelled it so or when the main chain it interrupted is continued later;
 otherwise it is the next *segment* of the main agent (a compaction restart). The call that wrote the compaction
-summary is recognized from the proxy label (confirmed when no call extends it) or from structure (the last leaf of
-a segment whose output reappears in the next segment's first input).
+summary is recognized from what a compaction is: the request asked for a summary (the proxy's label, from what
+each harness shows) and the conversation did not go on from it as history, or, without a label, it ends a segment
+(nothing extends or continues it) and the next segment starts from its output. A main segment no compaction
+explains is reported (``TreeStats.unjoined_segments``): calls the builder could not join.
 
 Filters, each counted in ``TreeStats.dropped``: duplicated records, failed/aborted calls, malformed records,
 auxiliary calls (subagent, compaction; kept as context where they are on a kept path but not trained, unless
@@ -109,6 +114,9 @@ class CallInfo:
     parent_call: int = -1
     extends: int = -1  # the call whose whole history this call's input extends; -1: none
     exact: bool = False  # attached at the end of an existing node (no split)
+    # Attached to parent_call after a rewrite of its history the harness is known to make (REWRITES); "": none.
+    rewrite: str = ""
+    continued: bool = False  # a later call continues it after a rewrite: its own path is kept, not a dead leaf
     n_calls: int = 1  # calls with output on its root-to-leaf path, itself included
     included: bool = True  # its output is trainable (main, or aux with include_aux)
     leaf: bool = False  # no call extends it
@@ -280,6 +288,35 @@ def _contains(haystack: np.ndarray, needle: np.ndarray) -> bool:
     return bool(starts.size)
 
 
+# Rewrites of the previous call's history after which a call still continues it (same chain, same segment).
+REWRITES = {
+    # The previous input without a turn just before its generation prompt, then its output: OpenClaw ends every
+    # request with an "internal context" user turn (active exec sessions, subagents) and drops it from history.
+    "dropped_trailing_turn": "the previous call's last turn before its output is gone from this call's input",
+}
+_GEN_PROMPT_MAX = 8  # tokens between a removed trailing turn and the output (the generation prompt)
+
+
+def _dropped_trailing_turn(x: np.ndarray, prev: _Rec, earlier: list[_Rec]) -> bool:
+    """Whether ``x`` is prev's history with its trailing turn removed: prev.x = A + R + G, x = A + G + prev.y + ...,
+    where G (the generation prompt) is at most a few tokens and R is a turn of the harness's own, not history: it is
+    shorter than what is kept, and holds none of the outputs of the calls just before prev (``earlier``)."""
+    h_x, y = prev.x, prev.y
+    lcp = _lcp(x, h_x)
+    if lcp >= h_x.shape[0] or lcp == 0:
+        return False
+    lo = max(lcp + 1, h_x.shape[0] - _GEN_PROMPT_MAX)
+    for r in range(lo, h_x.shape[0] + 1):
+        tail = h_x[r:]
+        end = lcp + tail.shape[0] + y.shape[0]
+        if end <= x.shape[0] and np.array_equal(x[lcp : lcp + tail.shape[0]], tail) and np.array_equal(
+                x[lcp + tail.shape[0] : end], y):
+            removed = h_x[lcp:r]
+            return removed.shape[0] <= lcp and not any(
+                _contains(removed, e.y) for e in earlier if e.y.shape[0] >= _SUMMARY_MIN // 2)
+    return False
+
+
 def build_tree(settled: SettledRollout, options: TreeOptions | None = None) -> RolloutTree:
     """Build, label and filter one rollout's tree; ``invalid`` says why it will not be trained, if so."""
     options = options or TreeOptions()
@@ -337,6 +374,12 @@ def build_tree(settled: SettledRollout, options: TreeOptions | None = None) -> R
         elif pos == x.shape[0] and (sib := [ch for ch in node.children if ch.trainable]):
             # Same input as an earlier root call: a retried first turn.
             info.chain = infos[sib[-1].call].chain
+        elif (j := next((j for j in range(i - 1, max(-1, i - 1 - _CANDIDATES), -1)
+                         if _dropped_trailing_turn(x, recs[j], recs[max(0, j - 3):j])), -1)) >= 0:
+            info.parent_call, info.rewrite = j, "dropped_trailing_turn"
+            info.n_calls = infos[j].n_calls + 1
+            info.chain = infos[j].chain
+            infos[j].continued = True
         else:
             info.chain = len(chains)
             chains.append(Chain(label="main", first_seq=c.seq))
@@ -372,7 +415,9 @@ def _label(recs: list[_Rec], infos: list[CallInfo], chains: list[Chain], relabel
     if not chains:
         return
     last_seq = [max(infos[i].seq for i in ch.calls) for ch in chains]
-    extended = {info.extends for info in infos if info.extends >= 0}
+    # Calls the conversation went on from: extended exactly, or continued after a known rewrite.
+    extended = {info.extends for info in infos if info.extends >= 0} | {
+        n for n, info in enumerate(infos) if info.continued}
     current_main = -1
     main_chains: list[int] = []
     for k, ch in enumerate(chains):
@@ -430,23 +475,28 @@ def _filter(
 
     extended_by_any = {info.extends for info in infos if info.extends >= 0}
     extended_by_included = {info.extends for info in infos if info.extends >= 0 and info.included}
+    # Continued after a rewrite: the next call carries its output, but on a path of its own (the rewritten
+    # history), so its leaf is kept beside the chain's longest one instead of counting as a dead branch.
+    continued = {info.parent_call for info in infos if info.rewrite and info.included}
     leaves = 0
     trained_leaves = 0
     for n, info in enumerate(infos):
         info.leaf = n not in extended_by_any
         leaves += info.leaf
-        if info.included and n not in extended_by_included:
+        if info.included and n not in extended_by_included and n not in continued:
             trained_leaves += 1
 
     kept: list[int] = []
-    for k, chain in enumerate(chains):
-        cands = [n for n in chain.calls if infos[n].included and n not in extended_by_included]
+    for chain in chains:
+        cands = [n for n in chain.calls if infos[n].included and n not in extended_by_included
+                 and n not in continued]
         if not cands:
             continue
         best = max(cands, key=lambda n: (infos[n].n_calls, infos[n].seq))
         kept.append(best)
         if len(cands) > 1:
             dropped["dead_leaf"] += len(cands) - 1
+    kept += sorted(n for n in continued if n not in extended_by_included)
 
     invalid = ""
     if settled.finished.status != "ok":
@@ -459,56 +509,104 @@ def _filter(
 
     packed = trainable = 0
     if not invalid:
-        for n in kept:
-            infos[n].kept = True
-            k = infos[n].chain
-            node: Node | None = infos[n].out_end
-            while node is not None and node.parent is not None:
-                if node.kept and node.seg in (k, -1):
-                    break
-                if not node.kept:
-                    node.kept = True
-                    node.seg = k
-                    packed += len(node.tokens)
-                    if node.trainable and infos[node.call].included:
-                        trainable += len(node.tokens)
-                        infos[node.call].kept_tokens = True
-                else:
-                    node.seg = -1
-                node = node.parent
+        packed, trainable = _mark_kept(infos, kept)
         if trainable == 0:
             invalid = "no trainable tokens kept"
+    return _stats(infos, chains, kept, invalid, dropped, tokens_total, packed, trainable), invalid
 
-    # A chain's first call has no earlier node it could extend; it is left out of the attach rate.
-    attachable = len(infos) - len(chains)
-    exact = sum(1 for k, info in enumerate(infos) if info.exact and chains[info.chain].calls[0] != k)
-    stats = TreeStats(
+
+def _mark_kept(infos: list[CallInfo], kept: list[int]) -> tuple[int, int]:
+    """Mark every kept leaf's root path; (tokens packed, tokens trainable). A node shared by paths of several
+    chains gets seg -1 (a prefix shared by segments, e.g. the system prompt)."""
+    packed = trainable = 0
+    for n in kept:
+        infos[n].kept = True
+        k = infos[n].chain
+        node: Node | None = infos[n].out_end
+        while node is not None and node.parent is not None:
+            if node.kept and node.seg in (k, -1):
+                break
+            if not node.kept:
+                node.kept = True
+                node.seg = k
+                packed += len(node.tokens)
+                if node.trainable and infos[node.call].included:
+                    trainable += len(node.tokens)
+                    infos[node.call].kept_tokens = True
+            else:
+                node.seg = -1
+            node = node.parent
+    return packed, trainable
+
+
+def how_attached(infos: list[CallInfo], chains: list[Chain], n: int) -> str:
+    """How call n joined the tree: ``first`` (the rollout's first call), ``exact`` (its input extends an earlier
+    call's whole history), ``retry`` (its input is an earlier call's input: another sample of the same turn),
+    ``rewrite:<name>`` (it continues an earlier call after a known rewrite, REWRITES), ``branch`` (it continues an
+    earlier call from inside its history: a truncated answer, an edit), ``root`` (a new chain: a subagent, a
+    segment after compaction, or a call the builder could not join)."""
+    info = infos[n]
+    if n == 0:
+        return "first"
+    if info.rewrite:
+        return f"rewrite:{info.rewrite}"
+    if info.parent_call < 0:
+        return "root" if chains[info.chain].calls[0] == n else "retry"
+    if info.extends >= 0 and info.exact:
+        return "exact"
+    return "branch"
+
+
+def _stats(infos: list[CallInfo], chains: list[Chain], kept: list[int], invalid: str, dropped: Counter[str],
+           tokens_total: int, packed: int, trainable: int) -> TreeStats:
+    attach = Counter(how_attached(infos, chains, n) for n in range(len(infos)))
+    fate: Counter[str] = Counter()
+    for info in infos:
+        if not info.included:
+            fate["auxiliary"] += 1
+        elif info.kept_tokens and not invalid:
+            fate["trained"] += 1
+        else:
+            fate["not_trained"] += 1
+    main_segments = sum(1 for ch in chains if any(infos[n].label == "main" for n in ch.calls))
+    compactions = sum(1 for info in infos if info.label == "compaction")
+    # Every call but the rollout's first could have extended an earlier one: a rollout of new roots reads 0 %.
+    attachable = len(infos) - 1
+    return TreeStats(
         calls=len(infos),
-        leaves=leaves,
+        leaves=sum(info.leaf for info in infos),
         kept_leaves=0 if invalid else len(kept),
-        segments=sum(1 for ch in chains if any(infos[n].label == "main" for n in ch.calls)),
+        segments=main_segments,
         depth=max((info.n_calls for info in infos), default=0),
         tokens_total=tokens_total,
         tokens_packed=packed if not invalid else 0,
         tokens_trainable=trainable if not invalid else 0,
-        exact_prefix_attach_rate=exact / attachable if attachable else 1.0,
+        tokens_output=sum(info.output_len for info in infos),
+        exact_prefix_attach_rate=(attach["exact"] + attach["retry"]) / attachable if attachable > 0 else 1.0,
+        attach={k: v for k, v in sorted(attach.items())},
+        calls_by_fate={k: v for k, v in sorted(fate.items())},
+        unjoined_segments=max(0, main_segments - 1 - compactions),
         dropped={k: v for k, v in sorted(dropped.items()) if v},
     )
-    return stats, invalid
 
 
 # ------------------------------------------------------------------------------------------------ display
 def format_stats(summary: RolloutSummary, relabelled: dict[str, int] | None = None) -> str:
-    """One line per rollout for ``run.py --replay``."""
+    """One line per rollout for ``run.py --replay --trees``."""
     s = summary.stats
     ratio = s.tokens_total / s.tokens_packed if s.tokens_packed else 0.0
     parts = [
         f"{summary.rollout_id} {summary.status} reward={summary.reward:.3f}",
         f"calls={s.calls} leaves={s.leaves} kept={s.kept_leaves} segments={s.segments} depth={s.depth}",
-        f"tokens total={s.tokens_total:,} packed={s.tokens_packed:,} trainable={s.tokens_trainable:,}",
+        f"tokens total={s.tokens_total:,} packed={s.tokens_packed:,} "
+        f"trainable={s.tokens_trainable:,}/{s.tokens_output:,} output",
         f"shared={ratio:.1f}x",
         f"exact-attach={100 * s.exact_prefix_attach_rate:.1f}%",
+        "attach " + " ".join(f"{k}={v}" for k, v in s.attach.items()),
+        "calls " + " ".join(f"{k}={v}" for k, v in s.calls_by_fate.items()),
     ]
+    if s.unjoined_segments:
+        parts.append(f"NOT JOINED: {s.unjoined_segments} segment(s) no compaction explains")
     if s.dropped:
         parts.append("dropped " + " ".join(f"{k}={v}" for k, v in s.dropped.items()))
     if relabelled:
@@ -520,12 +618,12 @@ def format_calls(tree: RolloutTree) -> str:
     """Call-by-call view of one rollout's tree for ``run.py --replay``: one line per call, in seq order."""
     lines = []
     for n, c in enumerate(tree.calls):
-        how = "root" if tree.chains[c.chain].calls[0] == n else ("exact" if c.exact else "branch")
+        how = how_attached(tree.calls, tree.chains, n)
         state = "kept-leaf" if c.kept else ("leaf" if c.leaf else "")
         label = c.label if c.label == c.proxy_label else f"{c.label}(proxy {c.proxy_label})"
         lines.append(
-            f"  seq={c.seq:<4} {c.call_id:<16} chain={c.chain:<2} {label:<10} {how:<6} "
+            f"  seq={c.seq:<4} {c.call_id:<16} chain={c.chain:<2} {label:<10} {how:<28} "
             f"in={c.input_len:<7} out={c.output_len:<6} on-path={c.n_calls:<4} "
-            f"{'trained' if c.included else 'context'} {state}".rstrip()
+            f"{'trained' if c.kept_tokens else 'context'} {state}".rstrip()
         )
     return "\n".join(lines)

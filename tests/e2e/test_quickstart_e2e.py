@@ -55,9 +55,11 @@ def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):
     assert s["truncated_at"] is None
 
     # per-rollout tree statistics, rebuilt from the log
-    lines = run("--replay", str(run_dir / "events.msgpack"), "--trees").stdout.strip().splitlines()
+    out = run("--replay", str(run_dir / "events.msgpack"), "--trees").stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith(("sft", "g0"))]
     assert len(lines) == 16 + 2 * 2 * 3
     assert all("exact-attach=100.0%" in ln for ln in lines)  # the white-box harness never rewrites history (C0)
+    assert "harness whitebox: rollouts=28" in out and "NOT JOINED" not in out
 
     # the same log gives the same trees and the same training batches
     r = run("--replay", str(run_dir / "events.msgpack"), "--stage", "trees", "--run-dir", str(tmp_path / "rt"))

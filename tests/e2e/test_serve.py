@@ -37,3 +37,13 @@ def test_serve_records_calls_and_replay_lists_them(tmp_path):
     assert len(out) == 2
     assert "#0" in out[0] and "chat" in out[0] and "spliced 0" in out[0]
     assert "#1" in out[1] and "spliced 1" in out[1]
+    # the tree of a recording made by hand: no SettledRollout in the log, built from the call records
+    out = subprocess.run([sys.executable, "run.py", "--replay", str(run_dir / "events.msgpack"), "--trees"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "calls=2" in out and "attach exact=1 first=1" in out and "(from call records)" in out, out
+    assert "harness unknown: rollouts=1 calls=2" in out
+    rep = json.loads(subprocess.run([sys.executable, "run.py", "--replay", str(run_dir / "events.msgpack"), "--trees",
+                                     "--json"], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    (row,) = rep["rollouts"]
+    assert row["settled"] is False and row["stats"]["calls_by_fate"] == {"trained": 2}
+    assert rep["harnesses"]["unknown"]["tokens_trainable"] == rep["harnesses"]["unknown"]["tokens_output"] > 0

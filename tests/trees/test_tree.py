@@ -303,3 +303,55 @@ def test_random_rollouts_have_consistent_stats(spec: Spec, seed: int):
     assert s.kept_leaves == len(gen.expected_paths())
     assert s.tokens_trainable == sum(int(t.sum()) for _, t, _ in gen.expected_paths())
     assert 0.0 <= s.exact_prefix_attach_rate <= 1.0
+
+
+# ------------------------------------------------------------------------------- rewrites harnesses make
+A, G = [1, 2, 3], [7]  # shared prompt; the generation prompt before every assistant turn
+COMB = [  # OpenClaw's shape: every request ends with a context turn (90, k) that the next request no longer has
+    mc(0, A + [90, 0] + G, [10, 11]),
+    mc(1, A + G + [10, 11, 5] + [90, 1] + G, [12]),
+    mc(2, A + G + [10, 11, 5] + G + [12, 6] + [90, 2] + G, [13]),
+]
+
+
+def test_a_dropped_trailing_turn_continues_the_segment_and_trains_every_call():
+    tree, p = packed_of(*COMB)
+    assert p["tokens"] == [1, 2, 3, 90, 0, 7, 10, 11, 7, 10, 11, 5, 90, 1, 7, 12, 7, 12, 6, 90, 2, 7, 13]
+    # each output trained once, in the context the policy saw (with its own context turn); later copies are context
+    assert p["trainable"] == [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1]
+    assert p["positions"] == [0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 8, 9, 10, 7, 8, 9, 10, 11, 12, 13]
+    assert p["subtree_end"] == [23, 23, 23, *[8] * 5, 23, 23, 23, 23, 16, 16, 16, 16, *[23] * 7]
+    assert p["pred"][8] == 2 and p["pred"][16] == 11  # branches predicted from their parents' last tokens
+    assert [c.chain for c in tree.calls] == [0, 0, 0] and [c.label for c in tree.calls] == ["main"] * 3
+    s = tree.stats
+    assert s.attach == {"first": 1, "rewrite:dropped_trailing_turn": 2}
+    assert s.calls_by_fate == {"trained": 3} and s.tokens_trainable == s.tokens_output == 4
+    assert (s.segments, s.kept_leaves, s.unjoined_segments) == (1, 3, 0) and s.dropped == {}
+    assert tree.relabelled == {}
+
+
+def test_a_removed_span_that_is_history_is_not_that_rewrite_and_is_reported_unjoined():
+    # the "turn" removed is longer than what was kept: not a context turn of the harness's own
+    tree, _ = packed_of(mc(0, A + [90] * 5 + G, [10, 11]), mc(1, A + G + [10, 11, 5] + [91] + G, [12]))
+    s = tree.stats
+    assert s.attach == {"first": 1, "root": 1} and s.segments == 2 and s.unjoined_segments == 1
+    assert "NOT JOINED: 1 segment(s)" in format_stats(tree.summary())
+
+
+def test_a_recorded_openclaw_rollout_trains_every_tool_call():
+    """tests/data/openclaw-3-tools.calls.msgpack.gz: OpenClaw 2026.9.6 writing three files through the proxy. The
+    builder used to make each call a new root and relabel three of them compaction: 7 of 88 output tokens trained."""
+    import gzip
+    from pathlib import Path
+
+    import msgspec
+
+    from pipeline.messages import ModelCall
+
+    raw = (Path(__file__).resolve().parents[1] / "data" / "openclaw-3-tools.calls.msgpack.gz").read_bytes()
+    calls = msgspec.msgpack.decode(gzip.decompress(raw), type=list[ModelCall])
+    tree = build_tree(settled(calls, reward=1.0))
+    s = tree.stats
+    assert s.calls == 4 and s.calls_by_fate == {"trained": 4}
+    assert s.attach == {"first": 1, "rewrite:dropped_trailing_turn": 3}
+    assert s.tokens_trainable == s.tokens_output == 88 and s.segments == 1 and tree.relabelled == {}

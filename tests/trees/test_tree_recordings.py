@@ -1,4 +1,5 @@
-"""Trees built from real multi-turn recordings: Claude Code, Codex and the white-box harness under C0, C1, C2.
+"""Trees built from real multi-turn recordings: Claude Code, Codex, Qwen Code, OpenClaw and the white-box harness
+under C0, C1, C2.
 
 Each test drives a real harness (unmodified binary, or harness_images/whitebox/harness.py as a local process) with
 the scripted engine behind the real proxy, takes the ModelCalls the proxy emitted, builds the rollout's tree and
@@ -6,8 +7,9 @@ prints one line per recording (calls, segments, leaves, kept leaves, exact-prefi
 see the table. The attach rate must be 100 % wherever the harness itself did not rewrite its history (Claude Code,
 Codex, white-box C0); C1 and C2 rewrite it on purpose and the tests check the structure the builder must find.
 
-Claude Code and Codex need their binaries (BRIDLE_HARNESS_BIN or PATH, as in test_real_harnesses.py): skipped on a
-laptop without them, required in CI.
+The npm harnesses need their binaries (BRIDLE_HARNESS_BIN or PATH, as in test_real_harnesses.py; Qwen Code and
+OpenClaw the private Node 24 beside them): skipped on a laptop without them, required in CI. For each, a rollout of
+at least three tool calls must train every main call, attached exactly or after a rewrite the builder names.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 from pipeline.messages import ModelCall, RolloutFinished, RolloutRequest, SettledRollout, ids
 from pipeline.rollout.harnesses import LaunchContext, find_binary, launch_for
 from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
-from pipeline.trees.tree import RolloutTree, TreeOptions, build_tree, format_calls, format_stats
+from pipeline.trees.tree import REWRITES, RolloutTree, TreeOptions, build_tree, format_calls, format_stats
 from tests.helpers.ci import require
 from tests.helpers.proxyutil import model_calls, renderer, running_proxy
 
@@ -45,7 +47,8 @@ async def record(harness: str, tmp_path: Path, responses: list[ScriptResponse], 
     """Run ``harness`` once against the proxy over a scripted engine; returns (process, model calls, workspace)."""
     binary = ""
     if not harness.startswith("whitebox"):
-        found = find_binary({"claude-code": "claude", "codex": "codex"}[harness])
+        found = find_binary({"claude-code": "claude", "codex": "codex", "qwen-code": "qwen",
+                             "openclaw": "openclaw"}[harness])
         require(found is not None, f"{harness} binary not installed (set BRIDLE_HARNESS_BIN)")
         binary = found or ""
     ws, home = tmp_path / "ws", tmp_path / "home"
@@ -61,7 +64,7 @@ async def record(harness: str, tmp_path: Path, responses: list[ScriptResponse], 
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(content)
         env = {"PATH": os.environ["PATH"], **launch.env}
-        with anyio.fail_after(240):
+        with anyio.fail_after(300):
             proc = await anyio.run_process([*launch.argv, *extra_argv], env=env, cwd=ws, stdin=subprocess.DEVNULL,
                                            check=False)
     assert proc.returncode == 0, proc.stdout.decode()[-2000:] + proc.stderr.decode()[-2000:]
@@ -128,6 +131,14 @@ def assert_linear(name: str, tree: RolloutTree, calls: list[ModelCall], n_calls:
         [(c.seq, c.spliced_turns, c.rendered_turns) for c in calls]
 
 
+def assert_every_main_call_trained(tree: RolloutTree) -> None:
+    """Every call's output is trained, each attached at an exact prefix or after a named rewrite, one segment."""
+    s = tree.stats
+    assert s.calls_by_fate == {"trained": s.calls}, s
+    assert set(s.attach) <= {"first", "exact"} | {f"rewrite:{r}" for r in REWRITES}, s.attach
+    assert s.tokens_trainable == s.tokens_output and s.unjoined_segments == 0 and s.segments == 1, s
+
+
 # ---------------------------------------------------------------------------------------------- real harnesses
 async def test_claude_code_multi_turn_tree(tmp_path):
     ws = tmp_path / "ws"
@@ -143,6 +154,7 @@ async def test_claude_code_multi_turn_tree(tmp_path):
     assert all(c.protocol == "anthropic" and c.label == "main" for c in calls)
     tree = tree_of("claude-code", calls)
     assert_linear("Claude Code", tree, calls, 5)
+    assert_every_main_call_trained(tree)
 
 
 async def test_codex_multi_turn_tree(tmp_path):
@@ -156,6 +168,41 @@ async def test_codex_multi_turn_tree(tmp_path):
     assert all(c.protocol == "responses" and c.label == "main" for c in calls)
     tree = tree_of("codex", calls)
     assert_linear("Codex", tree, calls, 4)
+    assert_every_main_call_trained(tree)
+
+
+async def test_qwen_code_multi_turn_tree(tmp_path):
+    ws = tmp_path / "ws"
+    notes = ws / "notes.txt"
+    _, calls, _ = await record("qwen-code", tmp_path, [
+        call("write_file", file_path=str(notes), content="alpha\n"),
+        call("run_shell_command", command=f"wc -l {notes}", description="Count the lines"),
+        call("write_file", file_path=str(notes), content="alpha\nbeta\n"),
+        ScriptResponse(text="notes.txt holds alpha and beta."),
+    ], "Put alpha and beta, one per line, into notes.txt.")
+    assert notes.read_text() == "alpha\nbeta\n"
+    assert all(c.protocol == "chat" and c.label == "main" for c in calls)
+    tree = tree_of("qwen-code", calls)
+    assert_linear("Qwen Code", tree, calls, 4)
+    assert_every_main_call_trained(tree)
+
+
+async def test_openclaw_multi_turn_tree(tmp_path):
+    # OpenClaw ends every request with an "internal context" user turn that it drops from its history before the
+    # next request: each call continues the previous one after that rewrite, on a path of its own. Before the
+    # builder knew the rewrite, every call was a new root, relabelled compaction: 7 of 88 output tokens trained.
+    _, calls, ws = await record("openclaw", tmp_path, [
+        call("write", path="a.txt", content="alpha\n"),
+        call("write", path="b.txt", content="beta\n"),
+        call("write", path="c.txt", content="gamma\n"),
+        ScriptResponse(text="All three files are written."),
+    ], "Create a.txt, b.txt and c.txt containing alpha, beta and gamma.")
+    assert [(ws / f).read_text() for f in ("a.txt", "b.txt", "c.txt")] == ["alpha\n", "beta\n", "gamma\n"]
+    assert all(c.protocol == "chat" and c.label == "main" for c in calls)
+    tree = tree_of("openclaw", calls)
+    assert_every_main_call_trained(tree)
+    assert tree.stats.attach == {"first": 1, "rewrite:dropped_trailing_turn": 3}
+    assert tree.stats.kept_leaves == 4  # each call's own path: the history it saw, with its context turn
 
 
 # -------------------------------------------------------------------------------------------- white-box harness
@@ -209,7 +256,9 @@ async def test_whitebox_c1_tree(tmp_path):
     text = renderer().tokenizer.decode(first_after.tolist())
     assert "Summary of the earlier work:\n" + SUMMARY.text in text and BIG not in text
     assert [r.split(" at ")[0] for r in rewrites(calls)] == ["seq 3 diverges from seq 2"]
-    assert s.exact_prefix_attach_rate == 1.0
+    # every call attaches exactly, but the new segment's root: explained by the compaction, so nothing unjoined
+    assert s.attach == {"exact": 4, "first": 1, "root": 1} and s.unjoined_segments == 0
+    assert s.exact_prefix_attach_rate == 4 / 5
 
 
 async def test_whitebox_c2_tree(tmp_path):
@@ -236,4 +285,5 @@ async def test_whitebox_c2_tree(tmp_path):
     assert chains == [0, 0, 1, 1, 1, 2, 2]
     assert [c.label for c in tree.calls] == ["main", "compaction", "main", "main", "compaction", "main", "main"]
     assert [r.split(" at ")[0] for r in rewrites(calls)] == ["seq 2 diverges from seq 1", "seq 5 diverges from seq 4"]
-    assert s.exact_prefix_attach_rate == 1.0
+    assert s.attach == {"exact": 4, "first": 1, "root": 2} and s.unjoined_segments == 0
+    assert s.exact_prefix_attach_rate == 4 / 6
