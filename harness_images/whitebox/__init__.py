@@ -1,1 +1,2 @@
-"""bridle's white-box harness (run ``harness.py`` as a script; it only speaks HTTP to the proxy)."""
+"""bridle's white-box harness: ``harness.py`` (entry script) and its package ``agent`` (standard library only;
+it speaks only HTTP to the proxy)."""

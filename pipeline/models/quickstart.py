@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import msgspec
 
+from harness_images.whitebox.agent import components as wb
+from harness_images.whitebox.agent.observe import observe
+from harness_images.whitebox.agent.tools import Tools
 from pipeline.core.logs import get_logger
 from pipeline.models.small import VocabTable, create_small_model
 from pipeline.rollout.harness_space import HarnessConfig
@@ -39,34 +41,27 @@ class ModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
 
 
-def _harness_module() -> ModuleType:
-    from harness_images.whitebox import harness
-
-    return harness
-
-
 def episode_conversations(spec: ModelSpec) -> list[Conversation]:
     """Oracle episodes as the white-box harness would send them (final call: the whole episode)."""
-    hx = _harness_module()
     cfg = HarnessConfig.parse(spec.harness.partition(":")[2] or "S0T0O0C0W0")
-    tool_defs, to_canonical, _ = hx.tool_interface(cfg.t)
+    tool_defs, to_canonical, _ = wb.tool_interface(cfg.t)
     offered = {v: k for k, v in to_canonical.items()}
     tools = [Tool(name=t["function"]["name"], description=t["function"]["description"],
                   parameters=t["function"]["parameters"]) for t in tool_defs]
     convs = []
     with tempfile.TemporaryDirectory() as ws:
-        runner = hx.Tools(Path(ws), Path(ws) / "corpus", 10.0, 4000)
+        runner = Tools(Path(ws), Path(ws) / "corpus", 10.0, 4000)
         for fam in resolve_families(spec.families):
             for seed in range(spec.tasks):
                 task = generate(fam, seed)
                 actions = json.loads(task.solution.get("actions.json", "[]"))
-                msgs = [Message(role="system", content=hx.SYSTEM_PROMPTS[cfg.s]),
+                msgs = [Message(role="system", content=wb.SYSTEM_PROMPTS[cfg.s]),
                         Message(role="user", content=task.instruction)]
                 for i, a in enumerate(actions):
                     name = offered[a["tool"]]
                     msgs.append(Message(role="assistant", tool_calls=[ToolCall(name=name, arguments=a["args"])]))
                     res = runner.run(a["tool"], dict(a["args"]))
-                    msgs.append(Message(role="tool", content=hx.observe(cfg.o, res, name, i + 1, 3)))
+                    msgs.append(Message(role="tool", content=observe(cfg.o, res, name, i + 1, 3)))
                 msgs.append(Message(role="assistant", content="Done."))
                 convs.append(Conversation(messages=msgs, tools=tools))
     return convs
@@ -74,11 +69,10 @@ def episode_conversations(spec: ModelSpec) -> list[Conversation]:
 
 def vocabulary(spec: ModelSpec) -> VocabTable:
     renderer = qwen3_renderer(enable_thinking=False)
-    hx = _harness_module()
     seqs: list[Any] = [renderer.render_ids(c, add_generation_prompt=True) for c in episode_conversations(spec)]
     # every system prompt and tool wording, so other S/T/O realizations stay inside the table
-    for text in (*hx.SYSTEM_PROMPTS, json.dumps(hx.TOOLS_SPEC), hx.PLAN_REQUEST, hx.PLAN_ACK, hx.VERIFY_PROMPT,
-                 hx.SUMMARY_PROMPT, hx.SUMMARY_PREFIX, hx.STATE_PROMPT, hx.STATE_PREFIX):
+    for text in (*wb.SYSTEM_PROMPTS, json.dumps(wb.TOOLS_SPEC), wb.PLAN_REQUEST, wb.PLAN_ACK, wb.VERIFY_PROMPT,
+                 wb.SUMMARY_PROMPT, wb.SUMMARY_PREFIX, wb.STATE_PROMPT, wb.STATE_PREFIX):
         seqs.append(renderer.tokenizer.encode(text))
     seqs.append(renderer.tokenizer.encode("".join(chr(c) for c in range(32, 127)) + "\n\t"))
     return VocabTable.from_sequences(seqs)

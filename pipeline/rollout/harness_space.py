@@ -1,83 +1,46 @@
 """The white-box harness space: 3^5 configurations, an orthogonal training design, held-out configurations
-and locality-aware assignment (DESIGN.md section 7; Harness Scaling).
+and locality-aware assignment (Harness Scaling; the design is described in docs/harness-space.md).
 
 A configuration picks a realization 0, 1 or 2 for each of the five components S (system prompt), T (tool
-interface), O (observation), C (context management), W (workflow) of ``harness_images/whitebox``; its name is
+interface), O (observation), C (context management), W (workflow) of the white-box harness; its name is
 ``S0T1O2C1W0`` and the adapter name the scheduler puts into ``RolloutRequest.harness`` is
-``whitebox:S0T1O2C1W0``.
+``whitebox:S0T1O2C1W0``. The components, their levels, :class:`HarnessConfig` and the tool names per
+configuration are defined once, by the harness itself (``harness_images.whitebox.agent.components``, standard
+library only); this module re-exports them and builds the experiment design over them.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from collections.abc import Sequence
-from functools import cache
-from importlib import resources
 
-import msgspec
 import numpy as np
 
-COMPONENTS = ("S", "T", "O", "C", "W")
-LEVELS = 3
-REALIZATIONS: dict[str, tuple[str, str, str]] = {
-    "S": ("direct", "product", "narrative"),
-    "T": ("base_names", "semantic_aliases", "opaque_ids"),
-    "O": ("raw", "simulated_infrastructure", "execution_metadata"),
-    "C": ("full_history", "in_context_summary", "externalized_compaction"),
-    "W": ("free_form", "plan_first", "progress_verification"),
-}
-CANONICAL_TOOLS = ("read_file", "write_file", "edit_file", "bash", "python", "search", "fetch")
+from harness_images.whitebox.agent.components import (
+    CANONICAL_TOOLS,
+    COMPONENTS,
+    LEVELS,
+    REALIZATIONS,
+    HarnessConfig,
+    offered_tools,
+    tool_name_for,
+)
 
-
-class HarnessConfig(msgspec.Struct, frozen=True, array_like=True):
-    """One point of the space; hashable and ordered like its name."""
-
-    s: int
-    t: int
-    o: int
-    c: int
-    w: int
-
-    def __post_init__(self) -> None:
-        for comp, level in zip(COMPONENTS, self.levels):
-            if not 0 <= level < LEVELS:
-                raise ValueError(f"HarnessConfig.{comp.lower()}={level}: a level must be 0, 1 or 2")
-
-    @classmethod
-    def parse(cls, name: str) -> HarnessConfig:
-        """``S0T1O2C1W0`` or ``whitebox:S0T1O2C1W0``."""
-        bare = name.removeprefix("whitebox:")
-        if len(bare) != 10 or tuple(bare[0::2]) != COMPONENTS or not all(ch in "012" for ch in bare[1::2]):
-            raise ValueError(f"harness configuration {name!r}: expected a name like S0T1O2C1W0 (levels 0-2)")
-        return cls(*(int(ch) for ch in bare[1::2]))
-
-    @classmethod
-    def from_levels(cls, levels: Sequence[int]) -> HarnessConfig:
-        return cls(*(int(x) for x in levels))
-
-    @property
-    def levels(self) -> tuple[int, int, int, int, int]:
-        return (self.s, self.t, self.o, self.c, self.w)
-
-    @property
-    def name(self) -> str:
-        return "".join(f"{comp}{level}" for comp, level in zip(COMPONENTS, self.levels))
-
-    @property
-    def adapter(self) -> str:
-        return f"whitebox:{self.name}"
-
-    def realizations(self) -> dict[str, str]:
-        return {comp: REALIZATIONS[comp][level] for comp, level in zip(COMPONENTS, self.levels)}
-
-    def distance(self, other: HarnessConfig) -> int:
-        """Hamming distance: the number of components whose realization differs."""
-        return sum(a != b for a, b in zip(self.levels, other.levels))
-
-    def __str__(self) -> str:
-        return self.name
+__all__ = [
+    "CANONICAL_TOOLS",
+    "COMPONENTS",
+    "LEVELS",
+    "REALIZATIONS",
+    "HarnessConfig",
+    "all_configs",
+    "held_out_configs",
+    "locality_assignment",
+    "offered_tools",
+    "orthogonal_array",
+    "tool_name_for",
+    "training_configs",
+]
 
 
 def all_configs() -> list[HarnessConfig]:
@@ -206,30 +169,3 @@ def locality_assignment(training: Sequence[HarnessConfig], k: int, rng: random.R
     tie = {c: rng.random() for c in rest}
     rest.sort(key=lambda c: (anchor.distance(c), tie[c]))
     return [anchor, *rest[: k - 1]]
-
-
-# ------------------------------------------------------------------------------------------- tool interface
-@cache
-def _tools_spec() -> dict:
-    text = resources.files("harness_images.whitebox").joinpath("tools.json").read_text(encoding="utf-8")
-    return json.loads(text)
-
-
-def tool_name_for(config: HarnessConfig, canonical: str) -> str:
-    """The name under which ``config``'s tool interface offers the canonical tool (``read_file``, ...), so a
-    policy scripted in canonical names can drive any T realization. Arguments keep their canonical names."""
-    names = _tools_spec()["names"][f"T{config.t}"]
-    if canonical not in names:
-        raise ValueError(
-            f"unknown canonical tool {canonical!r}; expected one of {', '.join(CANONICAL_TOOLS)}"
-        )
-    return names[canonical]
-
-
-def offered_tools(config: HarnessConfig) -> list[str]:
-    """Every tool name the harness offers under ``config``, distractors included, in the offered order."""
-    spec = _tools_spec()
-    key = f"T{config.t}"
-    if key in spec["order"]:
-        return list(spec["order"][key])
-    return [spec["names"][key][c] for c in spec["canonical"]]

@@ -189,7 +189,16 @@ def _key(dockerfile: Path, inputs: dict[str, Path], parent_id: str) -> str:
     return h.hexdigest()[:16]
 
 
+def context_files(context: Path) -> dict[str, Path]:
+    """Every file under an image's folder, by its path relative to it (the white-box harness is a package, so a
+    change in any of its modules changes the key). Bytecode caches are left out: tests leave them behind, and
+    they must not change the key."""
+    return {p.relative_to(context).as_posix(): p for p in sorted(context.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.relative_to(context).parts}
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(src, dst)
     except OSError:
@@ -203,7 +212,7 @@ def build_image(name: str, tag: str, context: Path, inputs: dict[str, Path], *, 
     parent_id = image_id(parent)
     if parent_id is None:
         raise ImageError(f"{name}: parent image {parent} is missing; build it first (build_all does)")
-    files = {p.name: p for p in context.iterdir() if p.is_file()} | inputs
+    files = context_files(context) | inputs
     key = _key(context / "Dockerfile", files, parent_id)
     if not force and image_label(tag, "bridle.key") == key:
         return BuiltImage(name=name, tag=tag, built=False, size_mb=image_size_mb(tag))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 
-from harness_images.whitebox import harness as wb
+from harness_images.whitebox.agent.components import SYSTEM_PROMPTS
 from pipeline.messages import CallFailed, ModelCall, RolloutFinished, RolloutRequest
 from pipeline.rollout.harness_space import HarnessConfig, offered_tools, tool_name_for
 from pipeline.rollout.tasks import Task
@@ -81,7 +81,7 @@ def check_outcome(out: Outcome, config: HarnessConfig) -> None:
     start, end = evs[0], evs[-1]
     assert start["event"] == "start" and start["config"] == config.name
     assert start["realizations"] == config.realizations()
-    assert start["system_prompt"] == wb.SYSTEM_PROMPTS[config.s]
+    assert start["system_prompt"] == SYSTEM_PROMPTS[config.s]
     assert start["tools"] == offered_tools(config)
     assert (end["event"], end["reason"], end["answer"]) == ("end", "answer", DONE)
     assert [e["label"] for e in evs if e["event"] == "request"] == out.labels

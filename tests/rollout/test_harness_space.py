@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness_images.whitebox import harness as whitebox
+from harness_images.whitebox.agent import components
+from pipeline.rollout import harness_space
 from pipeline.rollout.harness_space import (
     CANONICAL_TOOLS,
     COMPONENTS,
@@ -178,7 +179,7 @@ def test_training_set_versus_paper_table_6():
     shifts = [
         s
         for s in itertools.product(range(3), repeat=5)
-        if {tuple((a + b) % 3 for a, b in zip(lv, s)) for lv in ours} == {c.levels for c in paper}
+        if {tuple((a + b) % 3 for a, b in zip(lv, s, strict=True)) for lv in ours} == {c.levels for c in paper}
     ]
     # the design is invariant under T, O, C, W all +1 (y -> y + 1 in the construction), hence three shifts
     assert shifts == sorted((2, k, (2 + k) % 3, (1 + k) % 3, (2 + k) % 3) for k in range(3))
@@ -186,7 +187,7 @@ def test_training_set_versus_paper_table_6():
     print("\nTable 6 = ours + (S+2, T+0, O+2, C+1, W+2) mod 3")
     print(f"{'ours':<12}{'ours shifted':<14}{'in Table 6'}")
     for c in training_configs():
-        moved = HarnessConfig.from_levels([(a + b) % 3 for a, b in zip(c.levels, (2, 0, 2, 1, 2))])
+        moved = HarnessConfig.from_levels([(a + b) % 3 for a, b in zip(c.levels, (2, 0, 2, 1, 2), strict=True)])
         print(f"{c.name:<12}{moved.name:<14}{moved.name in PAPER_TABLE_6}")
     print(f"configurations in both sets as they stand: {len(shared)} ({', '.join(shared)})")
     dist = Counter(a.distance(b) for a, b in itertools.combinations(paper, 2))
@@ -289,10 +290,18 @@ def test_tool_names_per_interface():
         tool_name_for(t0, "open")
 
 
+def test_the_space_is_the_harness_definition():
+    """One definition of the components: the harness space re-exports the harness's own, it does not copy them."""
+    for name in ("COMPONENTS", "LEVELS", "REALIZATIONS", "CANONICAL_TOOLS", "HarnessConfig", "offered_tools",
+                 "tool_name_for"):
+        assert getattr(harness_space, name) is getattr(components, name), name
+    assert list(components.REALIZATIONS) == list(COMPONENTS)
+
+
 @pytest.mark.parametrize("t", range(3))
-def test_harness_offers_what_the_pipeline_expects(t):
-    tools, to_canonical, _ = whitebox.tool_interface(t)
+def test_tool_names_agree_with_the_tool_interface(t):
+    tools, to_canonical, distractors = components.tool_interface(t)
     config = HarnessConfig(0, t, 0, 0, 0)
     assert [d["function"]["name"] for d in tools] == offered_tools(config)
     assert {tool_name_for(config, c): c for c in CANONICAL_TOOLS} == to_canonical
-    assert list(whitebox.REALIZATIONS) == list(COMPONENTS)
+    assert set(offered_tools(config)) == set(to_canonical) | set(distractors)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -12,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from harness_images.whitebox import harness as wb
+from harness_images.whitebox import harness
+from harness_images.whitebox.agent.cli import main
+from harness_images.whitebox.agent.client import assemble_stream, iter_sse_data
+from harness_images.whitebox.agent.components import SYSTEM_PROMPTS, TOOLS_SPEC
+from harness_images.whitebox.agent.context import turn_groups
+from harness_images.whitebox.agent.errors import ApiError, ToolError
+from harness_images.whitebox.agent.observe import observe
+from harness_images.whitebox.agent.tools import ToolResult, Tools, parse_arguments
 from pipeline.rollout.harness_space import (
     CANONICAL_TOOLS,
     HarnessConfig,
@@ -22,7 +31,7 @@ from pipeline.rollout.harness_space import (
 )
 from tests.helpers.fake_openai import Failure, FakeOpenAI, Reply
 
-HARNESS = Path(wb.__file__)
+HARNESS = Path(harness.__file__)
 INSTRUCTION = "Put 'gamma beta' into notes/a.txt and check the guide in the corpus."
 GUIDE = "# Guide\nThe harness reads this guide. Search finds it by the word harness.\n"
 
@@ -33,11 +42,13 @@ def sse(*frames: str) -> io.BytesIO:
 
 
 def test_sse_assembles_interleaved_tool_call_fragments():
-    chunk = lambda d, fin=None: (
-        "data: "
-        + json.dumps({"id": "x", "choices": [{"index": 0, "delta": d, "finish_reason": fin}]})
-        + "\r\n\r\n"
-    )
+    def chunk(d: dict, fin: str | None = None) -> str:
+        return (
+            "data: "
+            + json.dumps({"id": "x", "choices": [{"index": 0, "delta": d, "finish_reason": fin}]})
+            + "\r\n\r\n"
+        )
+
     stream = sse(
         ": keepalive\n\n",
         chunk({"role": "assistant", "content": ""}),
@@ -75,7 +86,7 @@ def test_sse_assembles_interleaved_tool_call_fragments():
         'data: {"id": "x", "choices": [], "usage": {"total_tokens": 3}}\n\n',
         "data: [DONE]\n\n",
     )
-    got = wb.assemble_stream(wb.iter_sse_data(stream))
+    got = assemble_stream(iter_sse_data(stream))
     assert got.content == "Let me look."
     assert got.tool_calls == [
         {"id": "c0", "name": "bash", "arguments": '{"command": "ls"}'},
@@ -85,7 +96,7 @@ def test_sse_assembles_interleaved_tool_call_fragments():
 
 
 def test_sse_joins_multiline_data():
-    assert list(wb.iter_sse_data(sse('data: {"a":\ndata: 1}\n\n', ": c\n\n"))) == ['{"a":\n1}']
+    assert list(iter_sse_data(sse('data: {"a":\ndata: 1}\n\n', ": c\n\n"))) == ['{"a":\n1}']
 
 
 @pytest.mark.parametrize(
@@ -97,8 +108,8 @@ def test_sse_joins_multiline_data():
     ],
 )
 def test_sse_failures_are_retryable_api_errors(frames, msg):
-    with pytest.raises(wb.ApiError, match=msg) as e:
-        wb.assemble_stream(wb.iter_sse_data(sse(*frames)))
+    with pytest.raises(ApiError, match=msg) as e:
+        assemble_stream(iter_sse_data(sse(*frames)))
     assert e.value.retryable
 
 
@@ -114,13 +125,13 @@ def test_sse_failures_are_retryable_api_errors(frames, msg):
     ],
 )
 def test_bad_arguments_are_tool_errors(raw, msg):
-    with pytest.raises(wb.ToolError, match=msg):
-        wb.parse_arguments(raw, ["path"])
+    with pytest.raises(ToolError, match=msg):
+        parse_arguments(raw, ["path"])
 
 
 def test_observation_keeps_the_result_unchanged():
-    result = wb.ToolResult("line 1\nline 2", True, 0)
-    raw, infra, meta = (wb.observe(level, result, "tool_a7", 3, 12) for level in range(3))
+    result = ToolResult("line 1\nline 2", True, 0)
+    raw, infra, meta = (observe(level, result, "tool_a7", 3, 12) for level in range(3))
     assert raw == result.output
     assert result.output in infra and infra.startswith("[sandbox-runner] job 0003")
     assert (
@@ -137,12 +148,12 @@ def test_turn_groups_keep_tool_results_with_their_call():
         {"role": "assistant", "content": "x"},
         {"role": "user", "content": "check"},
     ]
-    assert [len(g) for g in wb.turn_groups(body)] == [1, 3, 2]
+    assert [len(g) for g in turn_groups(body)] == [1, 3, 2]
 
 
 def test_system_prompts_are_short():
-    assert len(wb.SYSTEM_PROMPTS[0].split()) < 60
-    assert all(len(p.split()) < 75 for p in wb.SYSTEM_PROMPTS)
+    assert len(SYSTEM_PROMPTS[0].split()) < 60
+    assert all(len(p.split()) < 75 for p in SYSTEM_PROMPTS)
 
 
 def test_tools_against_a_workspace(tmp_path):
@@ -150,7 +161,7 @@ def test_tools_against_a_workspace(tmp_path):
     (tmp_path / "corpus" / "web" / "page.html").write_text("<p>Release notes: version 2 ships tomorrow.</p>")
     (tmp_path / "corpus" / "other.md").write_text("nothing relevant")
     (tmp_path / "corpus" / "urls.json").write_text(json.dumps({"https://example.org/rel": "web/page.html"}))
-    tools = wb.Tools(tmp_path, tmp_path / "corpus", command_timeout=1, max_output_chars=200)
+    tools = Tools(tmp_path, tmp_path / "corpus", command_timeout=1, max_output_chars=200)
     assert tools.run("write_file", {"path": "d/x.py", "content": "print(6 * 7)\n"}).ok
     assert tools.run("python", {"code": "import runpy; runpy.run_path('d/x.py')"}).output == "42\n"
     bash = tools.run("bash", {"command": "echo hi; exit 3"})
@@ -181,7 +192,10 @@ def test_tools_against_a_workspace(tmp_path):
 def tool_script(config: HarnessConfig) -> list[list[tuple[str, dict | str]]]:
     """Main-agent turns in canonical names, translated to the configuration's tool interface. Includes a
     missing file, malformed JSON and an unknown tool: the harness must hand each back as a tool error."""
-    n = lambda canonical: tool_name_for(config, canonical)
+
+    def n(canonical: str) -> str:
+        return tool_name_for(config, canonical)
+
     return [
         [(n("write_file"), {"path": "notes/a.txt", "content": "alpha beta\n"})],
         [(n("read_file"), {"path": "missing.txt"}), (n("read_file"), '{"path": ')],
@@ -279,7 +293,7 @@ def check_realizations(config: HarnessConfig, evs: list[dict], ws: Path) -> None
     start, end = evs[0], evs[-1]
     assert start["event"] == "start" and start["config"] == config.name
     assert start["realizations"] == config.realizations()
-    assert start["system_prompt"] == wb.SYSTEM_PROMPTS[config.s]
+    assert start["system_prompt"] == SYSTEM_PROMPTS[config.s]
     assert start["tools"] == offered_tools(config)
     assert end["event"] == "end" and end["reason"] == "answer"
     assert (ws / "notes" / "a.txt").read_text() == "gamma beta\n"
@@ -351,7 +365,7 @@ def test_every_configuration_runs_a_scripted_episode(tmp_path, monkeypatch):
             policy.configs[key] = config
             monkeypatch.setenv("BRIDLE_API_KEY", key)
             transcript = tmp_path / config.name / "transcript.jsonl"
-            assert wb.main(argv(config.name, ws, instr, fake.base_url, transcript)) == 0, config.name
+            assert main(argv(config.name, ws, instr, fake.base_url, transcript)) == 0, config.name
             check_realizations(config, events(transcript), ws)
     assert {r.headers["authorization"] for r in fake.requests} == {
         f"Bearer key-{c.name}" for c in all_configs()
@@ -362,7 +376,9 @@ def test_every_configuration_runs_a_scripted_episode(tmp_path, monkeypatch):
 def test_cli_process_over_a_unix_socket(tmp_path):
     """The command line the sandbox pool uses, as a real process, reaching the server through a socket."""
     config = HarnessConfig.parse("S2T2O2C2W1")
-    n = lambda c: tool_name_for(config, c)
+    def n(canonical: str) -> str:
+        return tool_name_for(config, canonical)
+
     script = [
         [(n("bash"), {"command": "echo from-bash > out.txt"})],
         [(n("python"), {"code": "print(open('out.txt').read().strip().upper())"})],
@@ -423,7 +439,7 @@ def test_max_turns_ends_the_episode_normally(tmp_path, monkeypatch):
     with FakeOpenAI(lambda body, h: Reply("", [("bash", {"command": "true"})])) as fake:
         args = argv("S0T0O0C0W0", ws, instr, fake.base_url, tmp_path / "t.jsonl")
         args[args.index("--max-turns") + 1] = "3"
-        assert wb.main(args) == 0
+        assert main(args) == 0
     end = events(tmp_path / "t.jsonl")[-1]
     assert (end["reason"], end["turns"]) == ("max_turns", 3) and len(fake.requests) == 3
 
@@ -436,7 +452,7 @@ def test_api_failure_exits_nonzero(tmp_path, monkeypatch, failure, attempts):
     monkeypatch.setenv("BRIDLE_API_KEY", "k")
     ws, instr = make_workspace(tmp_path)
     with FakeOpenAI(lambda body, h: failure) as fake:
-        assert wb.main(argv("S0T0O0C0W0", ws, instr, fake.base_url, tmp_path / "t.jsonl")) == 1
+        assert main(argv("S0T0O0C0W0", ws, instr, fake.base_url, tmp_path / "t.jsonl")) == 1
     end = events(tmp_path / "t.jsonl")[-1]
     assert end["reason"] == "api_error" and failure.message in end["error"]
     assert len(fake.requests) == attempts
@@ -449,11 +465,11 @@ def test_retryable_failure_is_retried_and_401_is_not(tmp_path, monkeypatch):
     with FakeOpenAI(lambda body, h: answers.pop(0)) as fake:
         args = argv("S0T0O0C0W0", ws, instr, fake.base_url, tmp_path / "t.jsonl")
         args[args.index("--api-retries") + 1] = "1"
-        assert wb.main(args) == 0
+        assert main(args) == 0
     assert len(fake.requests) == 2
     with FakeOpenAI(lambda body, h: Failure(401)) as fake:
         args[args.index("--base-url") + 1] = fake.base_url
-        assert wb.main(args) == 1
+        assert main(args) == 1
     assert len(fake.requests) == 1
 
 
@@ -483,5 +499,60 @@ def test_bad_invocation_exits_2(tmp_path, change, env, msg):
     assert proc.returncode == 2 and msg in proc.stderr
 
 
-def test_canonical_tools_cover_the_interface():
-    assert set(wb.TOOLS_SPEC["canonical"]) == set(CANONICAL_TOOLS)
+def test_tool_spec_names_every_tool_at_every_level():
+    """tools.json: every T level offers each of the seven tools under a name of its own; where it fixes an
+    order, that order lists exactly those names and the level's distractors."""
+    expected = {"read_file", "write_file", "edit_file", "bash", "python", "search", "fetch"}
+    assert set(CANONICAL_TOOLS) == set(TOOLS_SPEC["functions"]) == expected
+    for level in range(3):
+        key = f"T{level}"
+        names = TOOLS_SPEC["names"][key]
+        assert set(names) == expected and len(set(names.values())) == len(expected)
+        distractors = [d["name"] for d in TOOLS_SPEC["distractors"].get(key, [])]
+        if key in TOOLS_SPEC["order"]:
+            assert sorted(TOOLS_SPEC["order"][key]) == sorted([*names.values(), *distractors])
+
+
+# ------------------------------------------------------------------------------------------ the package
+def test_harness_imports_only_the_standard_library():
+    """The image has python3 and nothing else, and harness code talks to bridle only over HTTP: every import
+    in the package is relative or from the standard library (the entry script also names ``agent``)."""
+    package = HARNESS.parent / "agent"
+    for path in [HARNESS, *sorted(package.glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                modules = [node.module or ""]
+            else:
+                continue
+            allowed = set(sys.stdlib_module_names) | ({"agent"} if path == HARNESS else set())
+            bad = [m for m in modules if m.partition(".")[0] not in allowed]
+            assert not bad, f"{path.name} imports {bad}"
+
+
+def test_script_runs_alone_like_in_the_image(tmp_path):
+    """harness.py and agent/ copied alone, as the Dockerfile does, run with no site-packages and no PYTHONPATH
+    (``-E -S``): the script finds its package next to it and needs nothing else."""
+    home = tmp_path / "opt"
+    home.mkdir()
+    shutil.copy2(HARNESS, home / "harness.py")
+    shutil.copytree(HARNESS.parent / "agent", home / "agent", ignore=shutil.ignore_patterns("__pycache__"))
+    ws, instr = make_workspace(tmp_path)
+    write = tool_name_for(HarnessConfig.parse("S1T2O1C0W0"), "write_file")
+    script = [Reply("", [(write, {"path": "done.txt", "content": "ok"})]), Reply("Finished.")]
+    with FakeOpenAI(lambda body, h: script.pop(0), unix_socket=str(tmp_path / "proxy.sock")) as fake:
+        proc = subprocess.run(
+            [sys.executable, "-E", "-S", str(home / "harness.py"),
+             *argv("S1T2O1C0W0", ws, instr, fake.base_url, tmp_path / "t.jsonl")],
+            env={"BRIDLE_API_KEY": "k", "PATH": os.environ.get("PATH", "")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert proc.returncode == 0, proc.stderr
+    assert (ws / "done.txt").read_text() == "ok"
+    evs = events(tmp_path / "t.jsonl")
+    assert [e["event"] for e in evs] == ["start", "request", "response", "tool", "request", "response", "end"]
+    assert evs[-1]["answer"] == "Finished." and evs[3]["observation"].startswith("[sandbox-runner] job 0001")
