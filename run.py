@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import msgspec
-from pathlib import Path
 
 # Every example is run by tests/e2e/test_cli.py::test_every_help_example_runs (RUN_DIR and LOG stand for a
 # recorded run's folder and its events.msgpack).

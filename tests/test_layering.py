@@ -15,7 +15,7 @@ ALLOWED = {
     "messages": set(),
     "core": {"messages"},
     "tokens": {"core", "messages"},
-    "rollout": {"core", "messages"},
+    "rollout": {"core", "messages", "harness_images"},  # the white-box harness owns its component definitions
     "trees": {"core", "messages"},
     "training": {"core", "messages"},
     "models": {"core", "messages", "tokens", "rollout", "harness_images"},

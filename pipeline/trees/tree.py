@@ -598,8 +598,8 @@ def format_stats(summary: RolloutSummary, relabelled: dict[str, int] | None = No
     parts = [
         f"{summary.rollout_id} {summary.status} reward={summary.reward:.3f}",
         f"calls={s.calls} leaves={s.leaves} kept={s.kept_leaves} segments={s.segments} depth={s.depth}",
-        f"tokens total={s.tokens_total:,} packed={s.tokens_packed:,} "
-        f"trainable={s.tokens_trainable:,}/{s.tokens_output:,} output",
+        (f"tokens total={s.tokens_total:,} packed={s.tokens_packed:,} "
+         f"trainable={s.tokens_trainable:,}/{s.tokens_output:,} output"),
         f"shared={ratio:.1f}x",
         f"exact-attach={100 * s.exact_prefix_attach_rate:.1f}%",
         "attach " + " ".join(f"{k}={v}" for k, v in s.attach.items()),
