@@ -126,13 +126,14 @@ class LearnerActor(Actor[LearnerActorConfig]):
         rng = random.Random(c.train.seed)
         self.log.info("cold-start SFT", packs=len(groups), demos=sum(len(g.rollouts) for g in groups),
                       epochs=c.sft_epochs)
+        updates = c.sft_epochs * -(-len(groups) // c.sft_batch_groups)  # ceil: the plan, for the monitor's progress
         for epoch in range(c.sft_epochs):
             order = list(groups)
             rng.shuffle(order)
             for i in range(0, len(order), c.sft_batch_groups):
                 m = await anyio.to_thread.run_sync(self.learner.sft_step, order[i:i + c.sft_batch_groups],
                                                 abandon_on_cancel=True)
-                await self._metric({**m, "sft_epoch": epoch}, phase="sft")
+                await self._metric({**m, "sft_epoch": epoch, "sft_updates": updates}, phase="sft")
         path = await self._publish({"sft_demos": sum(len(g.rollouts) for g in groups)}, packed_hash(groups))
         version = self.learner.version
         cfg = msgspec.structs.replace(self.config.train, initial_version=version)
@@ -189,4 +190,6 @@ class LearnerActor(Actor[LearnerActorConfig]):
     async def _metric(self, values: dict[str, Any], phase: str) -> None:
         if self.out["metrics"].connected:
             v = {k: float(x) for k, x in values.items() if isinstance(x, (int, float))}
-            await self.send("metrics", Metric(source=f"{self.name}.{phase}", step=self.steps_done, values=v))
+            kind = "rl_step" if phase == "rl" else "sft_update"
+            await self.send("metrics", Metric(source=f"{self.name}.{phase}", kind=kind, step=self.steps_done,
+                                              values=v))

@@ -126,10 +126,11 @@ class Scheduler(Actor[SchedulerConfig]):
             await self._send_group(f"g{j:05d}", self._pending.pop(0), "train", c.group_size)
             self.train_issued += 1
         if self.out["metrics"].connected:
-            await self.send("metrics", Metric(source=self.name, values={
+            await self.send("metrics", Metric(source=self.name, kind="scheduler", values={
                 "groups_in_flight": len(self.in_flight), "groups_issued": self.train_issued,
                 "sft_groups_issued": self.sft_issued, "policy_version": self.version,
-                "learner_steps": self.steps_done}))
+                "learner_steps": self.steps_done, "steps_total": c.steps,
+                "demonstrations_total": 0 if self.resume else c.sft_groups * c.sft_group_size}))
 
     async def _send_group(self, gid: str, a: Assignment, purpose: Any, size: int) -> None:
         script = oracle_script(a.task, a.harness) if purpose == "sft" else []

@@ -75,4 +75,4 @@ class TreeBuilder(Actor[TreeConfig]):
         n = max(1, len(build.summaries))
         v.update({f"tree_{k}": val / n if k == "attach_rate" else val for k, val in sums.items()})
         v["group_dropped"] = float(isinstance(build.message, GroupDropped))
-        return Metric(source=self.name, values=v)
+        return Metric(source=self.name, kind="tree", values=v)
