@@ -172,26 +172,27 @@ def rows(s: MonitorState, now: float) -> list[tuple[str, str]]:
     sft = "-"
     if s.last_sft:
         epoch = s.last_sft.get("sft_epoch")
-        sft = f"{s.last_sft.get('loss', float('nan')):.3f} (update {s.sft_updates_done}" + (
-            f", epoch {int(epoch) + 1})" if epoch is not None else ")")
+        where = f"update {s.sft_updates_done}" + ("" if epoch is None else f", epoch {int(epoch) + 1}")
+        sft = f"{s.last_sft.get('loss', float('nan')):.3f} ({where})"
     last_update = rl if rl else s.last_sft
     which = "last RL step" if rl else "last SFT update"
     throughput = f"{last_update['tokens_per_s']:,.0f} tokens/s ({which})" if "tokens_per_s" in last_update else "-"
-    running = "-" if s.rollouts_running is None else str(s.rollouts_running)
-    out = [
+    # counts as of the last report; once the last step is done the remaining rollouts are stopped, not running
+    over = phase(s) == "done"
+    running = "-" if s.rollouts_running is None or over else str(s.rollouts_running)
+    return [
         ("elapsed", duration(now - s.t0)),
         ("policy version", policy_text(s)),
         ("SFT loss", sft),
         ("reward", reward),
         ("pass rate", _num(rl, "pass_rate", ".3f", no_rl) + (" last step" if "pass_rate" in rl else "")),
         ("entropy", _num(rl, "entropy", ".3f", no_rl) + (" nats/token" if "entropy" in rl else "")),
-        ("KL to the reference", _num(rl, "kl", ".4f", no_rl)),
+        ("KL to the reference", _num(rl, "kl", ".4f", no_rl) + (" per token (k3)" if "kl" in rl else "")),
         ("learner throughput", throughput),
         ("rollouts", f"{running} running · {s.demos_done} demonstrations + {s.rl_rollouts} policy rollouts done"),
-        ("groups in flight", _num(s.scheduler, "groups_in_flight", ".0f")),
+        ("groups in flight", "-" if over else _num(s.scheduler, "groups_in_flight", ".0f")),
         ("weight sync", "-" if s.weight_sync_s is None else f"{s.weight_sync_s:.2f} s (the engine's last load)"),
     ]
-    return out
 
 
 def render(s: MonitorState, now: float) -> RenderableType:

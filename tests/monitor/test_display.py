@@ -146,6 +146,8 @@ def test_progress_through_the_cold_start_and_rl():
     rl_step(s, 2, T0 + 42.5)
     rl_step(s, 3, T0 + 52.5)
     assert by_label(s, T0 + 60)["RL steps"].when == "done in 30 s"
+    r = dict(rows(s, T0 + 60))  # what was in flight at the last report is stopped, not running
+    assert r["groups in flight"] == "-" and r["rollouts"].startswith("- running")
 
 
 def test_no_cold_start_shows_only_rl_steps():
@@ -172,6 +174,8 @@ def test_rows_after_rl_steps():
     assert r["reward"] == "0.600 last step · 0.400 mean of the last 5"
     assert r["pass rate"] == "0.600 last step"
     assert r["entropy"] == "0.300 nats/token"
+    assert r["KL to the reference"] == "0.0100 per token (k3)"
+    assert r["groups in flight"] == "4"
     assert r["learner throughput"] == "500 tokens/s (last RL step)"
     assert r["elapsed"] == "1:10"
 
