@@ -17,8 +17,14 @@ _LEGACY_SUFFIX: dict[str, MetricKind] = {".rl": "rl_step", ".sft": "sft_update"}
 
 
 def record(msg: Metric, now: float) -> dict[str, Any]:
-    """The metrics.jsonl object of one Metric (``t`` is when it arrived unless the sender stamped it)."""
-    return {"t": msg.t or now, "source": msg.source, "kind": msg.kind, "step": msg.step, **msg.values}
+    """The metrics.jsonl object of one Metric (``t`` is when it arrived unless the sender stamped it).
+
+    The Metric's own fields keep their names; a value of the same name is written as ``value_<name>``. The
+    learner's values carry its optimizer's ``step`` counter (it restarts after SFT and skips RL steps that trained
+    nothing): that is ``value_step``, and ``step`` is the Metric's (for rl_step, the RL step).
+    """
+    head = {"t": msg.t or now, "source": msg.source, "kind": msg.kind, "step": msg.step}
+    return head | {(f"value_{k}" if k in head else k): v for k, v in msg.values.items()}
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:

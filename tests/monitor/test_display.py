@@ -229,6 +229,10 @@ def test_log_fields():
 def test_metrics_jsonl_keeps_the_source_and_gains_the_kind(tmp_path):
     m = Metric(source="learner.rl", kind="rl_step", step=2, values={"reward": 0.5})
     assert record(m, 5.0) == {"t": 5.0, "source": "learner.rl", "kind": "rl_step", "step": 2, "reward": 0.5}
+    # the learner's optimizer counter in values does not replace the RL step (it restarts after SFT)
+    clash = Metric(source="l", kind="rl_step", step=3, values={"step": 1.0, "reward": 0.2}, t=7.0)
+    assert record(clash, 9.0) == {"t": 7.0, "source": "l", "kind": "rl_step", "step": 3, "value_step": 1.0,
+                                  "reward": 0.2}
     path = tmp_path / "metrics.jsonl"
     old = [{"t": 1, "source": "learner.rl", "step": 1, "reward": 0.1},  # written before Metric.kind existed
            {"t": 2, "source": "learner.sft", "step": 0, "loss": 2.0},
