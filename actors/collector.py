@@ -52,7 +52,7 @@ class Collector(Actor[CollectorSettings]):
                 await self.send("settled", settled)
                 if self.out["metrics"].connected:
                     st = self.settler.stats
-                    await self.send("metrics", Metric(source=self.name, values={
+                    await self.send("metrics", Metric(source=self.name, kind="settle", values={
                         "settled": st.settled, "settle_timeouts": st.timed_out, "late_records": st.late_records,
                         "duplicate_records": st.duplicates}))
 

@@ -123,6 +123,7 @@ class LearnerActor(Actor[LearnerSettings]):
         demos = sum(len(g.rollouts) for g in groups)
         self.log.info("cold-start SFT", packs=len(groups), dropped_packs=ready.dropped, demos=demos,
                       epochs=c.sft_epochs)
+        updates = c.sft_epochs * -(-len(groups) // c.sft_batch_groups)  # ceil: the plan, for the monitor's progress
         if groups:
             rng = random.Random(c.train.seed)
             for epoch in range(c.sft_epochs):
@@ -131,7 +132,7 @@ class LearnerActor(Actor[LearnerSettings]):
                 for i in range(0, len(order), c.sft_batch_groups):
                     m = await anyio.to_thread.run_sync(self.learner.sft_step, order[i:i + c.sft_batch_groups],
                                                     abandon_on_cancel=True)
-                    await self._metric(0, {**m, "sft_epoch": epoch}, phase="sft")
+                    await self._metric(0, {**m, "sft_epoch": epoch, "sft_updates": updates}, phase="sft")
         path = await self._publish(0, {"sft_demos": demos}, packed_hash(groups))
         cfg = msgspec.structs.replace(c.rl_stage(self.ctx.run), initial_version=self.learner.version)
         self.learner = await anyio.to_thread.run_sync(Learner, str(path), cfg)
@@ -143,6 +144,8 @@ class LearnerActor(Actor[LearnerSettings]):
             self.log.warning("no trainable group in this step; the policy is unchanged", step=ready.step)
             if ready.checkpoint:
                 await self._checkpoint(ready.step)
+            # the step happened: it is in metrics.jsonl, with nothing measured (no reward, no loss)
+            await self._metric(ready.step, {"groups": 0, "stale_groups": len(ready.stale)}, phase="rl")
             await self.send("updates", PolicyUpdated(version=self.learner.version, step=ready.step,
                                                      batch_hash=packed_hash([])))
             return
@@ -184,7 +187,8 @@ class LearnerActor(Actor[LearnerSettings]):
     async def _metric(self, step: int, values: dict[str, Any], phase: str) -> None:
         if self.out["metrics"].connected:
             v = {k: float(x) for k, x in values.items() if isinstance(x, (int, float))}
-            await self.send("metrics", Metric(source=f"{self.name}.{phase}", step=step, values=v))
+            kind = "rl_step" if phase == "rl" else "sft_update"
+            await self.send("metrics", Metric(source=f"{self.name}.{phase}", kind=kind, step=step, values=v))
 
     async def on_config(self, new: LearnerSettings, changes: dict[str, Any]) -> None:
         self.config = new

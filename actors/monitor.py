@@ -1,102 +1,93 @@
-"""Monitor actor: metrics.jsonl, a live terminal display (rich), and PNG plots at the end (also on Ctrl-C)."""
+"""Monitor actor: metrics.jsonl, a live terminal display (rich), and PNG plots at the end (also on Ctrl-C).
+
+Inbox: Metric (others ignored), dispatched on ``Metric.kind``. The state and the display live in
+pipeline.monitor (state, display, view); this actor writes the file, ticks the view and logs one line per RL step.
+"""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Annotated, Any, TextIO
 
 import anyio
+import msgspec
 
+from pipeline.core import logs
 from pipeline.core.config import Section
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric
+from pipeline.monitor.display import step_fields
+from pipeline.monitor.metrics import record
 from pipeline.monitor.plots import write_plots
+from pipeline.monitor.state import MonitorState, absorb
+from pipeline.monitor.view import Display, LiveView, LogView, open_view
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class MonitorConfig(Section):
-    display: str = "auto"  # auto: a live table on a terminal, a log line per learner step otherwise; "off"
-    refresh_s: float = 1.0
+    # auto: a live display on a terminal, progress log lines otherwise; log: progress log lines; off: neither
+    # (the log line per RL step and metrics.jsonl stay)
+    display: Display = "auto"
+    refresh_s: Seconds = 1.0  # live display redraws
+    progress_s: Seconds = 30.0  # at most one progress log line per this many seconds (and one per phase change)
     plots: bool = True
-    reloadable = frozenset({"refresh_s"})
+    reloadable = frozenset({"refresh_s", "progress_s"})
 
 
 class Monitor(Actor[MonitorConfig]):
     Config = MonitorConfig
     outputs = ()
 
+    view: LiveView | LogView | None = None
+    _wake: anyio.Event | None = None  # set to redraw now (a changed refresh_s)
+
     async def run(self) -> None:
         assert self.run_dir is not None
-        self.latest: dict[str, dict[str, float]] = {}
-        self.t0 = time.time()
-        self.rollouts_done = 0
-        self.rewards: list[float] = []
+        self.state = MonitorState(run_name=self.run_dir.name, t0=time.time())
         path = self.run_dir / "metrics.jsonl"
-        live = None
+        self.view = open_view(self.config.display, logs.console(), self.log, self.config.progress_s)
         # held open for the whole run (one short line per metric); closed in the finally below
         f: TextIO = open(path, "a", encoding="utf-8")  # noqa: ASYNC230, SIM115
         try:
-            if self.config.display == "auto" and sys.stderr.isatty():
-                from rich.live import Live
-
-                live = Live(self._table(), refresh_per_second=max(0.2, 1 / self.config.refresh_s),
-                            console=None, transient=False)
-                live.start()
-            async for msg in self.messages():
-                if not isinstance(msg, Metric):
-                    continue
-                rec = {"t": msg.t or time.time(), "source": msg.source, "step": msg.step, **msg.values}
-                f.write(json.dumps(rec) + "\n")
-                f.flush()
-                self._absorb(msg)
-                if live is not None:
-                    live.update(self._table())
+            async with anyio.create_task_group() as tg:
+                if self.view is not None:
+                    self.view.start(self.state, time.time())
+                    tg.start_soon(self._ticker, self.view)
+                async for msg in self.messages():
+                    if not isinstance(msg, Metric):
+                        continue
+                    now = time.time()
+                    f.write(json.dumps(record(msg, now)) + "\n")
+                    f.flush()
+                    absorb(self.state, msg, now)
+                    if msg.kind == "rl_step":
+                        self.log.info("step", **step_fields(msg.step, msg.values))
+                tg.cancel_scope.cancel()
         finally:
             f.close()
-            if live is not None:
-                live.stop()
+            if self.view is not None:
+                self.view.close(self.state, time.time())
             if self.config.plots:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self._plots, path)
 
-    def _absorb(self, msg: Metric) -> None:
-        self.latest.setdefault(msg.source, {}).update(msg.values)
-        if msg.source.startswith("sandbox") and "reward" in msg.values:
-            self.rollouts_done += 1
-        if msg.source.endswith(".rl"):
-            v = msg.values
-            self.log.info("step", step=msg.step, reward=round(v.get("reward", 0.0), 3),
-                          pass_rate=round(v.get("pass_rate", 0.0), 3), loss=round(v.get("loss", 0.0), 4),
-                          entropy=round(v.get("entropy", 0.0), 3))
-        elif msg.source.endswith(".sft") and msg.values.get("sft_epoch") is not None:
-            self.latest["sft"] = {"epoch": msg.values["sft_epoch"], "loss": msg.values.get("loss", 0.0)}
+    async def _ticker(self, view: LiveView | LogView) -> None:
+        while True:
+            # a config change wakes it, so a new refresh_s applies now rather than after the old interval
+            self._wake = anyio.Event()
+            with anyio.move_on_after(self.config.refresh_s):
+                await self._wake.wait()
+            view.tick(self.state, time.time())
 
-    def _table(self) -> Any:
-        from rich.table import Table
-
-        rl = self.latest.get("learner.rl", {})
-        sched = self.latest.get("scheduler", {})
-        sb = self.latest.get("sandbox", {})
-        sft = self.latest.get("sft", {})
-        t = Table(title=f"bridle  {self.run_dir.name if self.run_dir else ''}", show_header=False)
-        rows = [
-            ("elapsed", f"{time.time() - self.t0:,.0f} s"),
-            ("learner step", f"{int(sched.get('learner_steps', 0))}"),
-            ("policy version", f"{int(sched.get('policy_version', 0))}"),
-            ("cold-start SFT", f"epoch {int(sft.get('epoch', 0))}  loss {sft.get('loss', 0.0):.3f}" if sft else "-"),
-            ("reward (last step)", f"{rl.get('reward', 0.0):.3f}"),
-            ("pass rate (last step)", f"{rl.get('pass_rate', 0.0):.3f}"),
-            ("entropy", f"{rl.get('entropy', 0.0):.3f}"),
-            ("groups in flight", f"{int(sched.get('groups_in_flight', 0))}"),
-            ("rollouts running", f"{int(sb.get('rollouts_running', 0))}"),
-            ("rollouts done", f"{self.rollouts_done}"),
-            ("tokens/s (learner)", f"{rl.get('tokens_per_s', 0.0):,.0f}"),
-        ]
-        for k, v in rows:
-            t.add_row(k, v)
-        return t
+    async def on_config(self, new: MonitorConfig, changes: dict[str, Any]) -> None:
+        self.config = new
+        if isinstance(self.view, LogView):
+            self.view.every_s = new.progress_s
+        if self._wake is not None:
+            self._wake.set()
 
     def _plots(self, path: Path) -> None:
         try:

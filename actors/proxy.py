@@ -134,5 +134,5 @@ class ProxyActor(Actor[ProxyActorSettings]):
         self.proxy.policy_version = msg.version
         self.log.info("engine weights updated", version=msg.version, seconds=round(dt, 3))
         if self.out["metrics"].connected:
-            await self.send("metrics", Metric(source=self.name, step=msg.step,
+            await self.send("metrics", Metric(source=self.name, kind="weight_sync", step=msg.step,
                                               values={"weight_update_s": dt, "policy_version": msg.version}))

@@ -83,7 +83,8 @@ class SandboxPool(Actor[SandboxConfig]):
         self.log.debug("rollout finished", rollout=req.rollout_id, status=fin.status, reward=fin.reward)
         await self.send("finished", fin)
         if self.out["metrics"].connected:
-            await self.send("metrics", Metric(source=self.name, values={
+            kind = "demonstration" if req.purpose == "sft" else "rollout"
+            await self.send("metrics", Metric(source=self.name, kind=kind, values={
                 "rollouts_running": self.running, "reward": fin.reward, "ok": float(fin.status == "ok")}))
 
     async def on_config(self, new: SandboxConfig, changes: dict[str, Any]) -> None:

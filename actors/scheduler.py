@@ -51,7 +51,9 @@ class Scheduler(Actor[SchedulerSettings]):
             for req in rollout_requests(issue, self.config, self.issuer.version):
                 await self.send("requests", req)
         if self.out["metrics"].connected:
-            await self.send("metrics", Metric(source=self.name, values=self.issuer.metrics()))
+            await self.send("metrics", Metric(source=self.name, kind="scheduler", values={
+                **self.issuer.metrics(), "steps_total": self.issuer.steps,
+                "demonstrations_total": 0 if self.resume else self.issuer.demonstrations}))
 
     async def on_config(self, new: SchedulerSettings, changes: dict[str, object]) -> None:
         self.config = new

@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
-
-from pipeline.core.eventlog import EventLogReader
-from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest, TreeGroup
+sys.path.insert(0, str(ROOT))  # the checkout's pipeline: imported in the functions, after this
 
 
 def measure(run_dir: Path) -> dict[str, float]:
+    from pipeline.core.eventlog import EventLogReader
+    from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest, TreeGroup
+    from pipeline.monitor.metrics import load_metrics, of_kind
+
     issued: dict[str, float] = {}
     finished: dict[str, float] = {}
     updates: list[tuple[float, int]] = []
@@ -48,12 +46,13 @@ def measure(run_dir: Path) -> dict[str, float]:
             pending = []
     steps = [b - a for (a, _), (b, _) in itertools.pairwise(updates)]
     rollout = [max(finished[g] for g in gs) - min(issued[g] for g in gs) for s, gs in batches.items() if gs and s > 1]
-    train = [json.loads(x)["step_s"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if json.loads(x).get("source") == "learner.rl"]
+    train = [m["step_s"] for m in of_kind(load_metrics(run_dir / "metrics.jsonl"), "rl_step")]
     return {"step": statistics.median(steps), "rollout": statistics.median(rollout), "train": statistics.median(train)}
 
 
 def main() -> int:
+    from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--set", dest="sets", action="append", default=[])

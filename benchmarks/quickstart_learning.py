@@ -19,7 +19,6 @@ step). Exits 1 if a seed misses.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -29,9 +28,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
+sys.path.insert(0, str(ROOT))  # the checkout's pipeline: imported in the functions, after this
 
 MARGIN = 0.05
 
@@ -68,6 +65,10 @@ def paired_se(run_dir: Path, steps: int) -> tuple[float | None, str]:
 
 
 def main() -> int:
+    from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
+
+    from pipeline.monitor.metrics import load_metrics, of_kind
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--set", dest="sets", action="append", default=[])
@@ -88,8 +89,7 @@ def main() -> int:
             if r.returncode != 0:
                 print(f"seed {seed}: run failed ({r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
                 return 1
-        rl = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rewards = [m["reward"] for m in rl if m.get("source") == "learner.rl"]
+        rewards = [m["reward"] for m in of_kind(load_metrics(run_dir / "metrics.jsonl"), "rl_step")]
         first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
         se, how = paired_se(run_dir, len(rewards))
         if se is None:

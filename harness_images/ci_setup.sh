@@ -2,14 +2,15 @@
 # Make a Docker engine available and build bridle's sandbox images. Idempotent: each step is skipped when done.
 # Needs root (apt-get, dockerd, debootstrap). Run from the repository root with the project's Python active and,
 # for the Claude Code / Codex images, BRIDLE_HARNESS_BIN pointing at an npm node_modules/.bin that holds them.
+# tmux: the test of the live display runs a short quickstart in a real terminal (tests/e2e/test_terminal.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v tmux >/dev/null; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq docker.io debootstrap >/dev/null
+  apt-get install -y -qq docker.io debootstrap tmux >/dev/null
 fi
 
 if ! docker info >/dev/null 2>&1; then

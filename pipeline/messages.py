@@ -295,8 +295,25 @@ class ConfigChanged(_Msg, kw_only=True):
     reason: str = ""  # why it was refused, when accepted is False
 
 
+# What a Metric measured; readers (the monitor, plots, benchmarks) dispatch on this, never on actor names.
+MetricKind = Literal[
+    "rl_step",  # learner, one RL update; step = RL steps done: reward, pass_rate, loss, entropy, tokens_per_s, step_s
+    "sft_update",  # learner, one cold-start SFT update: loss, sft_epoch, sft_updates (planned in all), tokens_per_s
+    "demonstration",  # sandbox, one scripted demonstration rollout finished: reward, ok, rollouts_running
+    "rollout",  # sandbox, one policy rollout finished (train or eval): reward, ok, rollouts_running
+    "scheduler",  # scheduler, after issuing: groups_in_flight, policy_version, learner_steps, *_total (the plan)
+    "tree",  # tree builder, one group built: tree_* statistics, group_dropped
+    "settle",  # collector, one rollout settled: settled, settle_timeouts, late_records, duplicate_records
+    "weight_sync",  # proxy, the engine loaded new weights: weight_update_s, policy_version
+    "other",  # anything else (toy graphs); the default, so that logs written before kinds existed decode
+]
+
+
 class Metric(_Msg, kw_only=True):
-    source: str
+    """anyone -> Monitor: numbers measured at one point of the run; ``kind`` says what they are (MetricKind)."""
+
+    source: str  # the sending actor, for people reading metrics.jsonl; not a contract
+    kind: MetricKind = "other"
     step: int = -1
     values: dict[str, float] = msgspec.field(default_factory=dict)
     t: float = 0.0

@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-
-def load_metrics(path: Path) -> list[dict]:
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a crash
-    return rows
+from pipeline.monitor.metrics import load_metrics, of_kind
 
 
 def write_plots(metrics_path: Path, out_dir: Path) -> list[Path]:
@@ -24,8 +14,8 @@ def write_plots(metrics_path: Path, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     rows = load_metrics(metrics_path)
-    rl = [r for r in rows if str(r.get("source", "")).endswith(".rl")]
-    sft = [r for r in rows if str(r.get("source", "")).endswith(".sft")]
+    rl = of_kind(rows, "rl_step")
+    sft = of_kind(rows, "sft_update")
     panels = [
         ("reward", "reward (mean over the step's rollouts)", rl),
         ("pass_rate", "pass rate", rl),
@@ -34,10 +24,10 @@ def write_plots(metrics_path: Path, out_dir: Path) -> list[Path]:
     ]
     written = []
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (key, title, src) in zip(axes.flat, panels):
+    for ax, (key, title, src) in zip(axes.flat, panels, strict=True):
         pts = [(r["step"], r[key]) for r in src if key in r]
         if pts:
-            xs, ys = zip(*pts)
+            xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o", ms=3)
         ax.set_title(title)
         ax.set_xlabel("RL step")

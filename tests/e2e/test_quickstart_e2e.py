@@ -39,8 +39,11 @@ def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):
         assert (run_dir / name).exists(), name
     assert list((run_dir / "checkpoints").glob("step*")), "no checkpoint"
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rl = [m for m in metrics if m["source"] == "learner.rl"]
+    rl = [m for m in metrics if m["kind"] == "rl_step"]
     assert [m["step"] for m in rl] == [1, 2]
+    assert all(m["source"] == "learner.rl" for m in rl)  # metrics.jsonl keeps who sent it
+    sft = [m for m in metrics if m["kind"] == "sft_update"]
+    assert len(sft) == 2 * 2 and {m["sft_updates"] for m in sft} == {4}  # 2 packs x 2 epochs, announced
     # demonstrations come from their own task set ([scheduler].sft_tasks), training from the pool
     from pipeline.core.eventlog import EventLogReader
     from pipeline.messages import RolloutRequest
