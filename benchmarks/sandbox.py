@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.messages import RolloutRequest
-from pipeline.rollout.sandbox import MARKER_ID, MARKER_RUN, DockerBackend, DockerSettings, LocalBackend
+from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend
+from pipeline.rollout.sandbox.local import MARKER_ID, MARKER_RUN
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import Task, materialize
 from tests.helpers.proxyutil import running_proxy

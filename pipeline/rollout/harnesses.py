@@ -1,9 +1,13 @@
-"""Harness adapters: how to start each harness headless against the proxy (../shared/reference/harnesses.md).
+"""Harness adapters: what each harness is and how to start it headless against the proxy (docs/harnesses.md).
 
-An adapter turns (workspace, home, proxy base URL, rollout token, instruction) into a :class:`Launch`: the argv,
-the environment, and config files to write before starting. The same launch is used by the local backend (a child
-process) and by the Docker backend (inside the container, with container paths). Every adapter keeps the harness
-offline (telemetry off, update checks off), bounds its own retries, and closes stdin.
+Each harness is one :class:`Harness` entry in :data:`HARNESSES`: its executable and the npm package that provides
+it, its Docker image and where the image keeps the executable, whether it is given the task's ``solution/``, and
+its launcher, which turns (workspace, home, proxy base URL, rollout token, instruction) into a :class:`Launch`:
+the argv, the environment, config files to write before starting, and where the harness writes its transcript.
+The sandbox backends (``pipeline/rollout/sandbox/``) ask the entry and never branch on a harness's name, so adding
+a harness is adding an entry. The same launch is used by the local backend (a child process) and by the Docker
+backend (inside the container, with container paths). Every launcher keeps the harness offline (telemetry off,
+update checks off), bounds its own retries, and closes stdin.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import os
 import shutil
 import sys
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.core.paths import HARNESS_IMAGES
@@ -39,10 +44,11 @@ class LaunchContext:
     instruction_file: str = ""  # a file holding the instruction, when the harness reads it from one
     model: str = "policy"
     max_turns: int = 30
-    binary: str = ""  # override the harness executable (default: found on PATH / known install dirs)
+    # The harness's executable (the white-box harness: its script); default: Harness.executable found by
+    # find_binary (the white-box harness: this checkout's harness.py).
+    binary: str = ""
     node: str = ""  # the Node >= 24.16 that runs Qwen Code and OpenClaw (default: find_node())
     python: str = sys.executable
-    whitebox_script: str = ""  # where harness.py is (default: this checkout's copy; in images /opt/bridle/...)
     solution_dir: str = ""  # the task's solution/ (only the "oracle" pseudo-harness is given one)
     # Appended to the white-box harness's command line, e.g. ["--summary-budget-chars", "4000"].
     whitebox_args: list[str] = field(default_factory=list)
@@ -75,8 +81,7 @@ def find_node() -> str:
     return shutil.which("node") or "node"
 
 
-def claude_code(ctx: LaunchContext) -> Launch:
-    binary = ctx.binary or find_binary("claude") or "claude"
+def claude_code(ctx: LaunchContext, variant: str = "") -> Launch:
     env = {
         **BASE_ENV,
         "HOME": ctx.home,
@@ -93,14 +98,13 @@ def claude_code(ctx: LaunchContext) -> Launch:
         "CLAUDE_CODE_MAX_RETRIES": "2",
     }
     session = str(uuid.uuid4())
-    argv = [binary, "-p", ctx.instruction, "--dangerously-skip-permissions", "--output-format", "stream-json",
+    argv = [ctx.binary, "-p", ctx.instruction, "--dangerously-skip-permissions", "--output-format", "stream-json",
             "--verbose", "--max-turns", str(ctx.max_turns), "--session-id", session]
     cwd_key = ctx.workspace.replace("/", "-")
     return Launch(argv, env, transcript=f"{ctx.home}/.claude/projects/{cwd_key}/{session}.jsonl")
 
 
-def codex(ctx: LaunchContext) -> Launch:
-    binary = ctx.binary or find_binary("codex") or "codex"
+def codex(ctx: LaunchContext, variant: str = "") -> Launch:
     codex_home = f"{ctx.home}/.codex"
     config = f"""model = "{ctx.model}"
 model_provider = "local"
@@ -123,14 +127,13 @@ stream_max_retries = 0
 stream_idle_timeout_ms = 300000
 """
     env = {**BASE_ENV, "HOME": ctx.home, "CODEX_HOME": codex_home, "BRIDLE_PROXY_KEY": ctx.token}
-    argv = [binary, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "--json",
+    argv = [ctx.binary, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "--json",
             "-C", ctx.workspace, ctx.instruction]
     return Launch(argv, env, files={f"{codex_home}/config.toml": config}, transcript=f"{codex_home}/sessions")
 
 
-def qwen_code(ctx: LaunchContext) -> Launch:
+def qwen_code(ctx: LaunchContext, variant: str = "") -> Launch:
     """Qwen Code headless (Chat Completions). Runs in the process's cwd, which must be the workspace."""
-    script = ctx.binary or find_binary("qwen") or "qwen"
     settings = {
         "privacy": {"usageStatisticsEnabled": False},
         "telemetry": {"enabled": False},
@@ -149,7 +152,7 @@ def qwen_code(ctx: LaunchContext) -> Launch:
         "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
     }
     session = str(uuid.uuid4())
-    argv = [ctx.node or find_node(), script, "--auth-type", "openai", "--yolo", "-o", "stream-json",
+    argv = [ctx.node or find_node(), ctx.binary, "--auth-type", "openai", "--yolo", "-o", "stream-json",
             "--max-session-turns", str(ctx.max_turns), "--session-id", session, ctx.instruction]
     cwd_key = ctx.workspace.replace("/", "-")
     return Launch(argv, env, files={f"{ctx.home}/.qwen/settings.json": json.dumps(settings)},
@@ -159,9 +162,8 @@ def qwen_code(ctx: LaunchContext) -> Launch:
 OPENCLAW_TIMEOUT_S = 1800  # its own deadline for the whole turn (it requires one); sandboxes bound it too
 
 
-def openclaw(ctx: LaunchContext) -> Launch:
+def openclaw(ctx: LaunchContext, variant: str = "") -> Launch:
     """OpenClaw, one isolated ``agent exec`` turn without the gateway (so no subagents); Chat Completions."""
-    script = ctx.binary or find_binary("openclaw") or "openclaw"
     provider = {
         "baseUrl": f"{ctx.base_url}/v1", "apiKey": ctx.token, "api": "openai-completions",
         "models": [{"id": ctx.model, "name": ctx.model, "reasoning": False, "input": ["text"],
@@ -181,16 +183,17 @@ def openclaw(ctx: LaunchContext) -> Launch:
     files = {config_path: json.dumps(config, indent=1)}
     if not ctx.instruction_file:
         files[instruction_file] = ctx.instruction
-    argv = [ctx.node or find_node(), script, "agent", "exec", "--config", config_path, "--model", f"local/{ctx.model}",
+    argv = [ctx.node or find_node(), ctx.binary, "agent", "exec", "--config", config_path, "--model", f"local/{ctx.model}",
             "--cwd", ctx.workspace, "--timeout", str(OPENCLAW_TIMEOUT_S), "--json", "--message-file", instruction_file]
     return Launch(argv, {**BASE_ENV, "HOME": ctx.home}, files=files)
 
 
-def whitebox(ctx: LaunchContext, config: str = "S0T0O0C0W0", script: str = "") -> Launch:
-    script = script or ctx.whitebox_script or str(WHITEBOX)
+def whitebox(ctx: LaunchContext, variant: str = "") -> Launch:
+    """bridle's white-box harness; ``variant`` is its configuration (pipeline/rollout/harness_space.py)."""
+    script = ctx.binary or str(WHITEBOX)
     instruction_file = ctx.instruction_file or f"{ctx.home}/instruction.md"
     files = {} if ctx.instruction_file else {instruction_file: ctx.instruction}
-    argv = [ctx.python, script, "--config", config, "--workspace", ctx.workspace,
+    argv = [ctx.python, script, "--config", variant or "S0T0O0C0W0", "--workspace", ctx.workspace,
             "--instruction-file", instruction_file, "--base-url", f"{ctx.base_url}/v1", "--model", ctx.model,
             "--max-turns", str(ctx.max_turns), "--transcript", f"{ctx.home}/transcript.jsonl",
             *ctx.whitebox_args]
@@ -198,7 +201,7 @@ def whitebox(ctx: LaunchContext, config: str = "S0T0O0C0W0", script: str = "") -
     return Launch(argv, env, files=files, transcript=f"{ctx.home}/transcript.jsonl")
 
 
-def oracle(ctx: LaunchContext) -> Launch:
+def oracle(ctx: LaunchContext, variant: str = "") -> Launch:
     """The task's own ``solution/solve.sh`` in place of an agent: a self-check of task, sandbox and verifier."""
     if not ctx.solution_dir:
         raise ValueError("the oracle harness needs LaunchContext.solution_dir (the task's solution/ folder)")
@@ -206,36 +209,74 @@ def oracle(ctx: LaunchContext) -> Launch:
     return Launch(["bash", f"{ctx.solution_dir}/solve.sh"], env)
 
 
-# Container image per harness (pipeline/images.py builds them) and where each image keeps its executable.
-IMAGES = {"whitebox": "bridle-whitebox", "claude-code": "bridle-claude-code", "codex": "bridle-codex",
-          "oracle": "bridle-base"}
-CONTAINER_BINARIES = {"claude-code": "/usr/local/bin/claude", "codex": "/usr/local/bin/codex"}
-CONTAINER_WHITEBOX = "/opt/bridle/whitebox/harness.py"
+# ------------------------------------------------------------------------------------------- adapters
+@dataclass(frozen=True)
+class Harness:
+    """One harness: everything a sandbox backend needs to know about it."""
+
+    name: str  # as in RolloutRequest.harness, before any ":variant"
+    # (context, variant: what followed "name:" in RolloutRequest.harness, "" if nothing) -> how to start it.
+    launcher: Callable[[LaunchContext, str], Launch]
+    variants: str = ""  # the form of its variants, for error messages ("" = it has none)
+    executable: str = ""  # found on the host by find_binary ("" = none: it runs on Python or bash)
+    npm_package: str = ""  # the pinned npm package that provides the executable (install hint, image build)
+    # Its Docker image (pipeline/rollout/images.py builds it). Only harnesses with an image run in the sandboxes,
+    # under either backend, so that a config runs unchanged on both.
+    image: str = ""
+    container_binary: str = ""  # where the image keeps the executable ("" = the launcher's default)
+    needs_solution: bool = False  # it is given the task's solution/ (only the oracle pseudo-harness)
+
+    @property
+    def usage(self) -> str:
+        return f"{self.name}[:{self.variants}]" if self.variants else self.name
+
+    def launch(self, ctx: LaunchContext, variant: str = "") -> Launch:
+        """How to start this harness in ``ctx``; without ``ctx.binary``, its executable as find_binary finds it."""
+        if self.executable and not ctx.binary:
+            ctx = replace(ctx, binary=find_binary(self.executable) or self.executable)
+        return self.launcher(ctx, variant)
 
 
-def harness_name(harness: str) -> str:
-    """The adapter part of a RolloutRequest.harness ("whitebox:S0T1O2C1W0" -> "whitebox"), validated."""
-    name = harness.partition(":")[0]
-    if name not in IMAGES:
-        raise ValueError(f'unknown harness "{harness}"; known: claude-code, codex, whitebox[:SxTxOxCxWx], oracle')
-    return name
+BASE_IMAGE = "bridle-base"  # every harness image is built FROM it; the oracle and the verifiers run in it
+
+HARNESSES: dict[str, Harness] = {h.name: h for h in (
+    Harness("claude-code", claude_code, executable="claude", npm_package="@anthropic-ai/claude-code@2.1.197",
+            image="bridle-claude-code", container_binary="/usr/local/bin/claude"),
+    Harness("codex", codex, executable="codex", npm_package="@openai/codex@0.171.0", image="bridle-codex",
+            container_binary="/usr/local/bin/codex"),
+    Harness("qwen-code", qwen_code, executable="qwen", npm_package="@qwen-code/qwen-code@0.24.4"),
+    Harness("openclaw", openclaw, executable="openclaw", npm_package="openclaw@2026.9.6"),
+    Harness("whitebox", whitebox, variants="SxTxOxCxWx", image="bridle-whitebox",
+            container_binary="/opt/bridle/whitebox/harness.py"),
+    Harness("oracle", oracle, image=BASE_IMAGE, needs_solution=True),
+)}
+
+
+def _known(harnesses: list[Harness]) -> str:
+    return ", ".join(h.usage for h in harnesses)
+
+
+def harness_for(harness: str) -> tuple[Harness, str]:
+    """(adapter, variant) of a RolloutRequest.harness: "whitebox:S0T1O2C1W0" -> (HARNESSES["whitebox"],
+    "S0T1O2C1W0"); "codex" -> (HARNESSES["codex"], "")."""
+    name, _, variant = harness.partition(":")
+    found = HARNESSES.get(name)
+    if found is None:
+        raise ValueError(f'unknown harness "{harness}"; known: {_known(list(HARNESSES.values()))}')
+    return found, variant
+
+
+def sandbox_harness(harness: str) -> tuple[Harness, str]:
+    """:func:`harness_for`, for the harnesses the sandbox backends run (those with an image)."""
+    found, variant = harness_for(harness)
+    if not found.image:
+        runnable = [h for h in HARNESSES.values() if h.image]
+        raise ValueError(f'harness "{harness}" has no sandbox image yet; the sandboxes run {_known(runnable)}')
+    return found, variant
 
 
 def launch_for(harness: str, ctx: LaunchContext) -> Launch:
-    """``harness`` as in RolloutRequest.harness: "claude-code", "codex", "qwen-code", "openclaw", "whitebox",
-    "whitebox:S0T1O2C1W0" or "oracle" (runs the task's solution/solve.sh)."""
-    name, _, variant = harness.partition(":")
-    if name == "oracle":
-        return oracle(ctx)
-    if name == "claude-code":
-        return claude_code(ctx)
-    if name == "codex":
-        return codex(ctx)
-    if name == "qwen-code":
-        return qwen_code(ctx)
-    if name == "openclaw":
-        return openclaw(ctx)
-    if name == "whitebox":
-        return whitebox(ctx, variant or "S0T0O0C0W0")
-    raise ValueError(f'unknown harness "{harness}"; known: claude-code, codex, qwen-code, openclaw, '
-                     'whitebox[:SxTxOxCxWx], oracle')
+    """How to start ``harness`` (as in RolloutRequest.harness: "claude-code", "codex", "qwen-code", "openclaw",
+    "whitebox", "whitebox:S0T1O2C1W0" or "oracle", which runs the task's solution/solve.sh) in ``ctx``."""
+    found, variant = harness_for(harness)
+    return found.launch(ctx, variant)

@@ -1,6 +1,6 @@
 """Build the sandbox images offline: one idempotent call, ``build_all()`` (``python run.py --build-images``).
 
-Images (tags in :data:`pipeline.rollout.harnesses.IMAGES`):
+Images (tags in the adapters, :data:`pipeline.rollout.harnesses.HARNESSES`):
 
 - ``bridle-rootfs:bookworm``: ``debootstrap --variant=minbase bookworm`` + python3, ``docker import``-ed. No
   image registry is needed, only a Debian mirror, once: the root filesystem tarball is cached under
@@ -31,19 +31,21 @@ import msgspec
 
 from pipeline.core.logs import get_logger
 from pipeline.core.paths import HARNESS_IMAGES
-from pipeline.rollout.harnesses import IMAGES
+from pipeline.rollout.harnesses import BASE_IMAGE
+from pipeline.rollout.harnesses import HARNESSES as ADAPTERS
 
 log = get_logger(component="images")
 
 HERE = HARNESS_IMAGES
 ROOTFS_TAG = "bridle-rootfs:bookworm"
-BASE_TAG = IMAGES["oracle"]
+BASE_TAG = BASE_IMAGE
 SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 # Kept small: bash + coreutils come with minbase; python3 runs the forwarder, the white-box harness and checkers.
 ROOTFS_PACKAGES = ("python3", "ca-certificates", "procps")
-NPM_PACKAGES = {"claude-code": "@anthropic-ai/claude-code@2.1.197", "codex": "@openai/codex@0.171.0"}
-HARNESSES = ("whitebox", "claude-code", "codex")
+# One image per harness that has one of its own (the oracle runs in the base image), from harness_images/<name>.
+HARNESSES = tuple(h.name for h in ADAPTERS.values() if h.image and h.image != BASE_TAG)
+NPM_PACKAGES = {h.name: h.npm_package for h in ADAPTERS.values() if h.name in HARNESSES and h.npm_package}
 
 
 class ImageError(RuntimeError):
@@ -240,7 +242,7 @@ def build_all(harnesses: tuple[str, ...] | list[str] = HARNESSES, *, npm_dir: st
     modules = npm_modules(npm_dir) if any(h in NPM_PACKAGES for h in harnesses) else None
     for h in harnesses:
         inputs = harness_files(h, modules) if modules is not None else {}
-        out.append(build_image(h, IMAGES[h], HERE / h, inputs, parent=BASE_TAG, force=force))
+        out.append(build_image(h, ADAPTERS[h].image, HERE / h, inputs, parent=BASE_TAG, force=force))
     if any(b.built for b in out):
         # The images these replaced are now untagged; drop them so repeated builds do not fill the disk.
         _run(["docker", "image", "prune", "-f", "--filter", "label=bridle.key"], what="docker image prune")

@@ -10,9 +10,16 @@ import anyio
 import numpy as np
 
 from pipeline.messages import ids
-from pipeline.rollout.harnesses import LaunchContext, launch_for
+from pipeline.rollout.harnesses import Launch, LaunchContext, launch_for
 from pipeline.serving.scripted import Script, ScriptResponse
 from tests.helpers.proxyutil import renderer, running_proxy
+
+
+def write_files(launch: Launch) -> None:
+    """The config files a launch asks for, written before the harness starts."""
+    for path, content in launch.files.items():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(content)
 
 
 def first_divergence(a: np.ndarray, b: np.ndarray) -> int:
@@ -33,9 +40,7 @@ async def run_harness(harness: str, tmp_path: Path, first_call: ScriptResponse, 
         ctx = LaunchContext(workspace=str(ws), home=str(home), base_url=p.base_url, token=token,
                             instruction="Create hello.txt containing: hello from bridle", binary=binary)
         launch = launch_for(harness, ctx)
-        for path, content in launch.files.items():
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(content)
+        write_files(launch)
         env = {"PATH": os.environ["PATH"], **launch.env}
         with anyio.fail_after(240):
             proc = await anyio.run_process(launch.argv, env=env, cwd=ws, stdin=subprocess.DEVNULL, check=False)

@@ -11,12 +11,10 @@ from pathlib import Path
 import anyio
 
 from pipeline.messages import ModelCall, RolloutFinished, RolloutRequest, SettledRollout
-from pipeline.rollout.harnesses import LaunchContext, find_binary, launch_for
+from pipeline.rollout.harnesses import HARNESSES, LaunchContext, find_binary, launch_for
 from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
 from tests.helpers.ci import require
 from tests.helpers.proxyutil import model_calls, running_proxy
-
-EXECUTABLES = {"claude-code": "claude", "codex": "codex", "qwen-code": "qwen", "openclaw": "openclaw"}
 
 
 def tool(name: str, **arguments) -> ScriptResponse:
@@ -27,8 +25,8 @@ async def record(harness: str, tmp_path: Path, responses: list[ScriptResponse], 
                  timeout_s: float = 300.0) -> tuple[subprocess.CompletedProcess, list[ModelCall], Path]:
     """Run ``harness`` once; returns (process, its model calls in order, the workspace)."""
     binary = ""
-    if harness in EXECUTABLES:
-        found = find_binary(EXECUTABLES[harness])
+    if HARNESSES[harness.split(":")[0]].executable:
+        found = find_binary(HARNESSES[harness.split(":")[0]].executable)
         require(found is not None, f"{harness} not installed (set BRIDLE_HARNESS_BIN)")
         binary = found or ""
     ws, home = tmp_path / "ws", tmp_path / "home"

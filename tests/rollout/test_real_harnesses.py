@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.rollout.harnesses import find_binary
+from pipeline.rollout.harnesses import HARNESSES, find_binary
 from pipeline.serving.scripted import ScriptCall, ScriptResponse
 from tests.helpers.ci import require
 from tests.helpers.harness_run import check_prefix, run_harness
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.harness]
 
 
 async def drive(harness: str, tmp_path: Path, first_call: ScriptResponse) -> tuple[subprocess.CompletedProcess, list, Path]:
-    binary = find_binary({"claude-code": "claude", "codex": "codex"}[harness])
+    binary = find_binary(HARNESSES[harness].executable)
     require(binary is not None, f"{harness} binary not installed (set BRIDLE_HARNESS_BIN)")
     return await run_harness(harness, tmp_path, first_call, binary)
 

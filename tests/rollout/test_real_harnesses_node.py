@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pipeline.messages import ids
-from pipeline.rollout.harnesses import find_binary, find_node
+from pipeline.rollout.harnesses import HARNESSES, find_binary, find_node
 from pipeline.serving.scripted import ScriptCall, ScriptResponse
 from tests.helpers.ci import require
 from tests.helpers.harness_run import check_prefix, first_divergence, run_harness
@@ -25,7 +25,6 @@ from tests.helpers.proxyutil import model_calls, renderer
 pytestmark = [pytest.mark.anyio, pytest.mark.harness]
 
 MIN_NODE = {"qwen-code": (22, 0), "openclaw": (24, 16)}
-SCRIPTS = {"qwen-code": "qwen", "openclaw": "openclaw"}
 
 
 def node_version(node: str) -> tuple[int, int]:
@@ -38,7 +37,7 @@ def node_version(node: str) -> tuple[int, int]:
 
 
 async def drive(harness: str, tmp_path: Path, first_call: ScriptResponse) -> tuple[subprocess.CompletedProcess, list, Path]:
-    script_path = find_binary(SCRIPTS[harness])
+    script_path = find_binary(HARNESSES[harness].executable)
     require(script_path is not None, f"{harness} not installed (set BRIDLE_HARNESS_BIN)")
     node = find_node()
     require(node_version(node) >= MIN_NODE[harness],

@@ -16,12 +16,14 @@ import msgspec
 import pytest
 
 from pipeline.messages import RolloutRequest
-from pipeline.rollout.sandbox import LABEL, DockerBackend, DockerSettings
+from pipeline.rollout.sandbox import DockerBackend, DockerSettings
+from pipeline.rollout.sandbox.docker import LABEL
 from pipeline.rollout.taskgen import family_names, generate
 from pipeline.rollout.tasks import Task, materialize
 from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
 from tests.helpers.ci import require
 from tests.helpers.docker import containers_of
+from tests.helpers.poll import until
 from tests.helpers.proxyutil import running_proxy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker]
@@ -115,8 +117,7 @@ async def test_killed_from_outside_is_sandbox_error_and_limits_hold(sandbox, tmp
     seen: dict = {}
 
     async def assassin():
-        while not (ids := containers_of(backend.run_id, running_only=True)):
-            await anyio.sleep(0.1)
+        ids = await until(lambda: containers_of(backend.run_id, running_only=True), every_s=0.1)
         info = json.loads((await anyio.run_process(["docker", "inspect", ids[0]])).stdout)[0]
         seen.update(info["HostConfig"], labels=info["Config"]["Labels"])
         await anyio.run_process(["docker", "kill", ids[0]])
@@ -145,8 +146,7 @@ async def test_cancellation_removes_the_container(sandbox, tmp_path):
     async with anyio.create_task_group() as tg:
         tg.start_soon(partial(backend.run, request("oracle", task), task, proxy_url=proxy.base_url,
                               proxy_socket=sock))
-        while not containers_of(backend.run_id):
-            await anyio.sleep(0.1)
+        await until(lambda: containers_of(backend.run_id), every_s=0.1)
         tg.cancel_scope.cancel()
     assert containers_of(backend.run_id) == []
 

@@ -13,19 +13,14 @@ import msgspec
 import pytest
 
 from pipeline.messages import RolloutRequest
-from pipeline.rollout.harnesses import find_binary
-from pipeline.rollout.sandbox import (
-    MARKER_RUN,
-    LocalBackend,
-    LocalSettings,
-    _marked_pids,
-    _size,
-    make_backend,
-)
+from pipeline.rollout.harnesses import HARNESSES, find_binary
+from pipeline.rollout.sandbox import LocalBackend, LocalSettings
+from pipeline.rollout.sandbox.local import MARKER_RUN, marked_pids
 from pipeline.rollout.taskgen import family_names, generate
 from pipeline.rollout.tasks import Task, materialize
 from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
 from tests.helpers.ci import require
+from tests.helpers.poll import until
 from tests.helpers.proxyutil import running_proxy
 
 pytestmark = pytest.mark.anyio
@@ -48,17 +43,7 @@ def variant(tmp: Path, name: str, *, solve: str | None = None, test_sh: str | No
 
 
 def leftovers(b: LocalBackend) -> list[int]:
-    return _marked_pids(f"{MARKER_RUN}={b.run_id}".encode())
-
-
-def test_size_parsing():
-    assert _size("4g", "m") == 4 << 30
-    assert _size("512m", "m") == 512 << 20
-    assert _size("1.5k", "m") == 1536
-    assert _size(100, "m") == 100
-    assert _size(None, "m") is None
-    with pytest.raises(ValueError, match="memory"):
-        _size("lots", "memory")
+    return marked_pids(f"{MARKER_RUN}={b.run_id}".encode())
 
 
 @pytest.mark.parametrize("family", family_names())
@@ -146,8 +131,7 @@ async def test_cancellation_kills_and_cleans(tmp_path):
     started = anyio.Event()
 
     async def watch():
-        while not leftovers(b):
-            await anyio.sleep(0.05)
+        await until(lambda: leftovers(b))
         started.set()
 
     async with anyio.create_task_group() as tg:
@@ -170,14 +154,6 @@ async def test_start_reaps_a_crashed_runs_processes(tmp_path):
     assert leftovers(b) == []
 
 
-def test_make_backend_checks_kind_and_settings():
-    assert isinstance(make_backend("local"), LocalBackend)
-    with pytest.raises(ValueError, match="local' or 'docker"):
-        make_backend("k8s")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="DockerSettings"):
-        make_backend("docker", LocalSettings())
-
-
 async def test_forwarder_relays_loopback_to_the_proxy_socket(tmp_path):
     """The image's forwarder, run here: TCP on loopback -> the proxy's Unix socket, then exec of the command."""
     with socket.socket() as s:
@@ -198,7 +174,7 @@ async def test_forwarder_relays_loopback_to_the_proxy_socket(tmp_path):
 @pytest.mark.harness
 @pytest.mark.parametrize("harness", ["claude-code", "codex"])
 async def test_real_harness_local_scores_one(tmp_path, harness):
-    exe = find_binary({"claude-code": "claude", "codex": "codex"}[harness])
+    exe = find_binary(HARNESSES[harness].executable)
     require(exe is not None, f"{harness} binary not installed (set BRIDLE_HARNESS_BIN)")
     task = materialize(generate("create_file", 4), tmp_path / "task")
     args = task.oracle_actions[0].args

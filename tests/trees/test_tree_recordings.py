@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 
 from pipeline.messages import ModelCall, RolloutFinished, RolloutRequest, SettledRollout, ids
-from pipeline.rollout.harnesses import LaunchContext, find_binary, launch_for
+from pipeline.rollout.harnesses import HARNESSES, LaunchContext, find_binary, launch_for
 from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
 from pipeline.trees.tree import REWRITES, RolloutTree, TreeOptions, build_tree, format_calls, format_stats
 from tests.helpers.ci import require
+from tests.helpers.harness_run import write_files
 from tests.helpers.proxyutil import model_calls, renderer, running_proxy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.harness]
@@ -47,8 +48,7 @@ async def record(harness: str, tmp_path: Path, responses: list[ScriptResponse], 
     """Run ``harness`` once against the proxy over a scripted engine; returns (process, model calls, workspace)."""
     binary = ""
     if not harness.startswith("whitebox"):
-        found = find_binary({"claude-code": "claude", "codex": "codex", "qwen-code": "qwen",
-                             "openclaw": "openclaw"}[harness])
+        found = find_binary(HARNESSES[harness].executable)
         require(found is not None, f"{harness} binary not installed (set BRIDLE_HARNESS_BIN)")
         binary = found or ""
     ws, home = tmp_path / "ws", tmp_path / "home"
@@ -60,9 +60,7 @@ async def record(harness: str, tmp_path: Path, responses: list[ScriptResponse], 
         ctx = LaunchContext(workspace=str(ws), home=str(home), base_url=p.base_url, token=token,
                             instruction=instruction, binary=binary)
         launch = launch_for(harness, ctx)
-        for path, content in launch.files.items():
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(content)
+        write_files(launch)
         env = {"PATH": os.environ["PATH"], **launch.env}
         with anyio.fail_after(300):
             proc = await anyio.run_process([*launch.argv, *extra_argv], env=env, cwd=ws, stdin=subprocess.DEVNULL,

@@ -1,0 +1,35 @@
+"""Sandbox backends: run one rollout's harness over a fresh workspace, verify it, tear everything down.
+
+Per rollout a backend lays out the task's starting workspace, starts the harness (its adapter in
+``pipeline/rollout/harnesses.py`` says how) with the instruction, the proxy address and the rollout token, enforces
+``RolloutRequest.timeout_s``, then runs the task's verifier over the workspace and returns a
+:class:`~pipeline.messages.RolloutFinished`. Which status a rollout gets (ok, timeout, harness_error,
+sandbox_error, verifier_error) is decided in one place for every backend: the template
+:meth:`SandboxBackend.run` in :mod:`~pipeline.rollout.sandbox.base`, whose docstring defines the statuses. The
+backends implement only its hooks:
+
+- :mod:`~pipeline.rollout.sandbox.local`: the harness as a child process (rlimits, killed as a process group and
+  by an environment marker). Convenient and the embedded default, but **no security boundary**.
+- :mod:`~pipeline.rollout.sandbox.docker`: one container per rollout from the harness's image (CPU, memory and
+  pids limits, network ``none``, the proxy through its mounted Unix socket); the verifier in a fresh container.
+"""
+
+from pipeline.rollout.sandbox.base import CLEANUP_TIMEOUT_S, SandboxBackend
+from pipeline.rollout.sandbox.docker import CONTAINER_SOCKET, LABEL, DockerBackend, DockerSettings
+from pipeline.rollout.sandbox.local import MARKER_ID, MARKER_RUN, LocalBackend, LocalSettings, kill_marked
+from pipeline.rollout.sandbox.util import TAIL_CHARS
+
+__all__ = [
+    "CLEANUP_TIMEOUT_S",
+    "CONTAINER_SOCKET",
+    "LABEL",
+    "MARKER_ID",
+    "MARKER_RUN",
+    "TAIL_CHARS",
+    "DockerBackend",
+    "DockerSettings",
+    "LocalBackend",
+    "LocalSettings",
+    "SandboxBackend",
+    "kill_marked",
+]

@@ -1,0 +1,236 @@
+"""The sandbox backend base: one template, :meth:`SandboxBackend.run`, decides every rollout's status.
+
+A backend implements hooks that each do one piece of its own work and report how it went; the template calls them
+in order and turns that into the :class:`~pipeline.messages.RolloutFinished`, in this one place:
+
+1. :meth:`~SandboxBackend.prepare` lays out the sandbox: the workspace seeded from the task, the harness's launch
+   (what the adapter in ``pipeline/rollout/harnesses.py`` says), its config files, the task's ``solution/`` for a
+   harness that needs it;
+2. :meth:`~SandboxBackend.launch` starts the harness (``timings.sandbox_ready``);
+3. :meth:`~SandboxBackend.wait` waits until it exits or the request's ``timeout_s`` passes (then kills it) and says
+   how it ended (:class:`HarnessExit`); :meth:`~SandboxBackend.logs` gives its output's tail;
+4. :meth:`~SandboxBackend.release` keeps what should outlive the harness (its transcript) and frees what it held
+   (``timings.harness_done``);
+5. :meth:`~SandboxBackend.verify` runs the task's verifier over the workspace in a process or container of its
+   own, after the harness is gone (``timings.verified``);
+6. :meth:`~SandboxBackend.cleanup` always runs, shielded from cancellation and bounded by ``cleanup_timeout_s``.
+
+The status tells the failure classes apart:
+
+- ``ok``: the harness exited 0 and the verifier produced a reward; details are the verifier's output;
+- ``timeout``: the harness was killed at its wall-clock limit; the workspace is still scored (running out of time
+  is the policy's doing);
+- ``harness_error``: the harness exited non-zero, or the kernel killed it at the memory limit; no reward;
+- ``sandbox_error``: the sandbox could not be prepared or started (unknown harness, missing executable, image or
+  socket, a task without the ``solution/`` its harness needs), or it died under the harness (killed or removed
+  from outside, the engine failed); no reward;
+- ``verifier_error``: the verifier wrote no valid reward, failed or timed out; no reward.
+
+``run`` never raises for these (they are statuses); cancellation propagates after the sandbox has been destroyed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+import anyio
+
+from pipeline.core.logs import get_logger
+from pipeline.messages import RolloutFinished, RolloutRequest, RolloutStatus, RolloutTimings
+from pipeline.rollout.harnesses import Harness, Launch, sandbox_harness
+from pipeline.rollout.sandbox.util import tail
+from pipeline.rollout.tasks import Task
+
+log = get_logger(component="sandbox")
+
+CLEANUP_TIMEOUT_S = 30.0
+
+
+class SandboxError(Exception):
+    """The sandbox could not be prepared or started, or it died under the harness: status ``sandbox_error``, with
+    this message as the details."""
+
+
+class VerifierError(Exception):
+    """The verifier produced no valid reward: status ``verifier_error``, with this message as the details."""
+
+
+@dataclass(kw_only=True)
+class Sandbox:
+    """One rollout's sandbox on its way through the hooks; each backend subclasses it with its own state."""
+
+    req: RolloutRequest
+    task: Task
+    harness: Harness
+    variant: str  # what followed "name:" in req.harness ("" if nothing)
+    proxy_url: str
+    proxy_socket: str
+    root: Path | None = None  # the rollout's directory on this host, once prepare has made it
+    launch: Launch | None = None  # how the harness starts, once prepared
+
+
+@dataclass(frozen=True)
+class HarnessExit:
+    """How the harness ended, as :meth:`SandboxBackend.wait` saw it."""
+
+    timed_out: bool  # still running at the request's timeout, so killed by the backend
+    exit_code: int | None  # as the sandbox reports it (a killed process: -9 locally, 137 in Docker)
+    out_of_memory: bool = False  # killed by the kernel at the sandbox's memory limit
+    killed_from_outside: bool = False  # killed by someone other than the backend (docker kill / stop / rm -f)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the verifier said about the workspace."""
+
+    reward: float
+    rewards: dict[str, float]  # named parts: rule, rubric, ...
+    output: str  # the tail of its output
+
+
+S = TypeVar("S", bound=Sandbox)
+
+
+class SandboxBackend(ABC, Generic[S]):
+    """Runs one rollout per :meth:`run`; subclasses implement the hooks (see the module docstring)."""
+
+    kind: ClassVar[str]  # the config's sandbox.backend value
+    sandbox_type: type[S]  # the backend's Sandbox subclass, made fresh for each rollout
+    cleanup_timeout_s: float = CLEANUP_TIMEOUT_S
+    memory_limit: str | None = None  # the harness's memory limit as configured, for the out-of-memory message
+
+    def __init__(self, *, run_id: str = ""):
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+
+    # -------------------------------------------------------------------------------------------- lifecycle
+    @abstractmethod
+    async def start(self) -> None:
+        """Prepare the backend and remove what a crashed earlier run left behind."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Destroy every sandbox this backend still holds."""
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    @abstractmethod
+    async def prepare(self, box: S) -> None:
+        """Lay out the sandbox and set ``box.root`` (as soon as it exists: cleanup removes it) and
+        ``box.launch``. Raises SandboxError, or OSError / ValueError (both become ``sandbox_error``)."""
+
+    @abstractmethod
+    async def launch(self, box: S) -> None:
+        """Start the harness. Raises SandboxError when it cannot."""
+
+    @abstractmethod
+    async def wait(self, box: S, timeout_s: float) -> HarnessExit:
+        """Wait until the harness exits, or kill it after ``timeout_s``; nothing of it may run on afterwards.
+        Raises SandboxError when the sandbox disappears or its engine fails meanwhile."""
+
+    @abstractmethod
+    async def logs(self, box: S) -> str:
+        """The tail of the harness's output (stdout and stderr); "" when there is none."""
+
+    async def release(self, box: S) -> None:
+        """The harness has ended: keep what should outlive it, free what it held. Default: nothing to do."""
+        return
+
+    @abstractmethod
+    async def verify(self, box: S) -> Verdict:
+        """Score the workspace with the task's verifier. Raises VerifierError without a valid reward."""
+
+    @abstractmethod
+    async def cleanup(self, box: S) -> None:
+        """Destroy the sandbox; called once per rollout whatever happened, already shielded and time-bounded."""
+
+    # --------------------------------------------------------------------------------------------- template
+    async def run(
+        self, req: RolloutRequest, task: Task, *, proxy_url: str, proxy_socket: str = ""
+    ) -> RolloutFinished:
+        """One rollout, start to finish. Never raises for rollout failures (they are statuses); cancellation
+        propagates after the sandbox has been destroyed. ``proxy_socket``: the proxy's Unix socket, for a
+        sandbox that reaches the proxy through it."""
+        finish = _Finisher(req)
+        t = finish.timings
+        box: S | None = None
+        try:
+            try:
+                harness, variant = _harness(req, task)
+                box = self.sandbox_type(req=req, task=task, harness=harness, variant=variant, proxy_url=proxy_url,
+                                        proxy_socket=proxy_socket)
+                await self.prepare(box)
+            except SandboxError as e:
+                return finish("sandbox_error", str(e))
+            except (OSError, ValueError) as e:
+                return finish("sandbox_error", f"could not prepare the sandbox: {type(e).__name__}: {e}")
+            try:
+                await self.launch(box)
+            except SandboxError as e:
+                return finish("sandbox_error", str(e))
+            t.sandbox_ready = time.time()
+
+            try:
+                ended = await self.wait(box, req.timeout_s)
+            except SandboxError as e:
+                return finish("sandbox_error", f"{e}\n{await self.logs(box)}")
+            output = await self.logs(box)
+            await self.release(box)
+            t.harness_done = time.time()
+            failed = self._harness_failed(ended, output)
+            if failed is not None:
+                return finish(*failed, exit_code=ended.exit_code)
+
+            try:
+                verdict = await self.verify(box)
+            except VerifierError as e:
+                t.verified = time.time()
+                return finish("verifier_error", str(e), exit_code=ended.exit_code)
+            t.verified = time.time()
+            if ended.timed_out:
+                return finish("timeout", f"harness killed after {req.timeout_s:g}s:\n{output}",
+                              reward=verdict.reward, rewards=verdict.rewards)
+            return finish("ok", verdict.output, reward=verdict.reward, rewards=verdict.rewards, exit_code=0)
+        finally:
+            if box is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self.cleanup_timeout_s):
+                    await self.cleanup(box)
+
+    def _harness_failed(self, ended: HarnessExit, output: str) -> tuple[RolloutStatus, str] | None:
+        """(status, details) when the way the harness ended leaves nothing to verify; None when the workspace is
+        to be scored (it exited 0, or ran out of time)."""
+        if ended.timed_out:
+            return None
+        if ended.out_of_memory:
+            return "harness_error", f"the harness ran out of memory (limit {self.memory_limit}):\n{output}"
+        if ended.killed_from_outside:
+            return "sandbox_error", f"the sandbox was killed from outside:\n{output}"
+        if ended.exit_code != 0:
+            return "harness_error", f"harness exited with {ended.exit_code}:\n{output}"
+        return None
+
+
+def _harness(req: RolloutRequest, task: Task) -> tuple[Harness, str]:
+    """The request's harness adapter and variant, once it is known that the sandboxes can run it on ``task``."""
+    harness, variant = sandbox_harness(req.harness)
+    if harness.needs_solution and not (task.root / "solution").is_dir():
+        raise SandboxError(f"task {task.id} has no solution/ for the {harness.name} harness")
+    return harness, variant
+
+
+class _Finisher:
+    """Builds the RolloutFinished of one request while its timings fill in, and logs it."""
+
+    def __init__(self, req: RolloutRequest):
+        self.req = req
+        self.timings = RolloutTimings(queued=time.time())
+
+    def __call__(self, status: RolloutStatus, details: str = "", **kw: Any) -> RolloutFinished:
+        fin = RolloutFinished(rollout_id=self.req.rollout_id, group_id=self.req.group_id, status=status,
+                              details=tail(details), timings=self.timings, **kw)
+        log.info("rollout_finished", rollout=self.req.rollout_id, harness=self.req.harness, task=self.req.task_id,
+                 status=status, reward=fin.reward, exit_code=fin.exit_code)
+        return fin

@@ -1,0 +1,244 @@
+"""The local sandbox backend: the harness as a child process of this one, in a temporary directory.
+
+The harness runs in its own session and process group under POSIX rlimits, and is killed as a group and by an
+environment marker (``BRIDLE_SANDBOX_RUN`` / ``BRIDLE_SANDBOX_ID``), so that even daemonized children die. It is
+convenient and the embedded default, but it is **no security boundary**: the harness runs as your user and can
+read your files and reach the network. The verifier runs afterwards as a process of its own
+(``pipeline/rollout/verify.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from pipeline.core.logs import get_logger
+from pipeline.rollout.harnesses import Launch, LaunchContext, find_binary
+from pipeline.rollout.sandbox.base import (
+    HarnessExit,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    Verdict,
+    VerifierError,
+)
+from pipeline.rollout.sandbox.util import file_tail, parse_size, rmtree, rollout_dir
+from pipeline.rollout.tasks import seed_workspace
+from pipeline.rollout.verify import run_verifier_local
+
+log = get_logger(component="sandbox")
+
+MARKER_RUN = "BRIDLE_SANDBOX_RUN"  # environment marker: which backend (run id) started the process
+MARKER_ID = "BRIDLE_SANDBOX_ID"  # environment marker: which sandbox it belongs to
+
+
+class LocalSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The local backend. Limits are POSIX rlimits on the harness process (inherited by its children)."""
+
+    workdir: str = ""  # where per-rollout directories go (default: the system temp dir)
+    keep_workspaces: bool = False  # keep each rollout's directory (workspace, home, logs) for inspection
+    cpu_seconds: int | None = None  # RLIMIT_CPU per process
+    # RLIMIT_AS per process. Off by default: Node- and Bun-based harnesses reserve far more address space than
+    # they use and fail to start under a small limit.
+    memory: str | None = None
+    file_size: str | None = "2g"  # RLIMIT_FSIZE: the largest file a harness may write
+    open_files: int | None = 4096  # RLIMIT_NOFILE
+    max_turns: int = 30
+    model: str = "policy"
+    harness_bin: str = ""  # folder with the harness executables (default: $BRIDLE_HARNESS_BIN, then PATH)
+    whitebox_args: list[str] = msgspec.field(default_factory=list)  # extra white-box harness flags
+
+
+# Applied between fork and exec by a tiny Python wrapper (anyio's open_process has no preexec_fn).
+_RLIMIT_EXEC = (
+    "import json,os,resource,sys\n"
+    "for k,v in json.loads(sys.argv[1]).items():\n"
+    " r=getattr(resource,k);h=resource.getrlimit(r)[1]\n"
+    " v=v if h==resource.RLIM_INFINITY else min(v,h)\n"
+    " resource.setrlimit(r,(v,v))\n"
+    "try:os.execvp(sys.argv[2],sys.argv[2:])\n"
+    "except OSError as e:sys.stderr.write(f'cannot run {sys.argv[2]!r}: {e}\\n');sys.exit(127)\n"
+)
+
+
+def marked_pids(marker: bytes) -> list[int]:
+    """Processes of this user whose environment contains ``marker`` (``NAME=value``); empty without /proc."""
+    found: list[int] = []
+    needle = b"\0" + marker + b"\0"
+    me = os.getpid()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for e in entries:
+        if not e.isdigit() or int(e) == me:
+            continue
+        try:
+            with open(f"/proc/{e}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in b"\0" + env:
+            found.append(int(e))
+    return found
+
+
+def kill_marked(marker: str, rounds: int = 5) -> int:
+    """SIGKILL every process carrying ``marker`` in its environment, until none is left; return how many."""
+    killed = 0
+    for _ in range(rounds):
+        pids = marked_pids(marker.encode())
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)
+    return killed
+
+
+@dataclass(kw_only=True)
+class LocalSandbox(Sandbox):
+    sandbox_id: str = ""  # the value of MARKER_ID in the harness's environment
+    proc: Any = None  # the harness process, once started
+    out_path: Path | None = None  # the harness's stdout and stderr
+
+
+class LocalBackend(SandboxBackend[LocalSandbox]):
+    """Harness as a child process in a temporary directory. NOT a security boundary (see module docstring)."""
+
+    kind = "local"
+    sandbox_type = LocalSandbox
+
+    def __init__(self, settings: LocalSettings | None = None, *, run_id: str = ""):
+        super().__init__(run_id=run_id)
+        self.settings = s = settings or LocalSettings()
+        self.memory_limit = s.memory
+        self._limits: dict[str, int] = {}
+        for name, value in (
+            ("RLIMIT_CPU", s.cpu_seconds),
+            ("RLIMIT_AS", parse_size(s.memory, "memory")),
+            ("RLIMIT_FSIZE", parse_size(s.file_size, "file_size")),
+            ("RLIMIT_NOFILE", s.open_files),
+            ("RLIMIT_CORE", 0),
+        ):
+            if value is not None:
+                self._limits[name] = int(value)
+        self._live: set[str] = set()
+
+    async def start(self) -> None:
+        n = kill_marked(f"{MARKER_RUN}={self.run_id}")
+        if n:
+            log.warning("reaped_processes", run=self.run_id, count=n)
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(kill_marked, f"{MARKER_RUN}={self.run_id}")
+
+    def _binary(self, executable: str) -> str:
+        """The harness executable on this host ("" when not found): in harness_bin if set, else find_binary."""
+        if self.settings.harness_bin:
+            p = Path(self.settings.harness_bin) / executable
+            return str(p) if p.exists() else ""
+        return find_binary(executable) or ""
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    async def prepare(self, box: LocalSandbox) -> None:
+        # In a worker thread: seeding the workspace copies files, which must not stall the other rollouts.
+        await anyio.to_thread.run_sync(self._lay_out, box)
+
+    def _lay_out(self, box: LocalSandbox) -> None:
+        s, h, task = self.settings, box.harness, box.task
+        box.sandbox_id = f"{self.run_id}.{uuid.uuid4().hex[:8]}"
+        box.root = root = rollout_dir(s.workdir, box.req.rollout_id)
+        ws, home, logs = root / "app", root / "home", root / "logs"
+        seed_workspace(task, ws)
+        home.mkdir()
+        logs.mkdir()
+        box.out_path = logs / "harness.txt"
+        solution = ""
+        if h.needs_solution:
+            shutil.copytree(task.root / "solution", root / "solution")
+            solution = str(root / "solution")
+        binary = ""
+        if h.executable:
+            binary = self._binary(h.executable)
+            if not binary:
+                raise SandboxError(
+                    f"{h.name} executable not found; install it (npm install {h.npm_package}) and set "
+                    "BRIDLE_HARNESS_BIN or LocalSettings.harness_bin to the node_modules/.bin folder"
+                )
+        ctx = LaunchContext(workspace=str(ws), home=str(home), base_url=box.proxy_url.rstrip("/"),
+                            token=box.req.token, instruction=task.instruction, model=s.model, max_turns=s.max_turns,
+                            binary=binary, solution_dir=solution, whitebox_args=list(s.whitebox_args))
+        box.launch = h.launch(ctx, box.variant)
+        _write_files(box.launch)
+
+    async def launch(self, box: LocalSandbox) -> None:
+        assert box.launch is not None and box.root is not None and box.out_path is not None
+        env = {"PATH": os.environ.get("PATH", os.defpath), **box.launch.env, MARKER_RUN: self.run_id,
+               MARKER_ID: box.sandbox_id}
+        argv = [sys.executable, "-S", "-c", _RLIMIT_EXEC, json.dumps(self._limits), *box.launch.argv]
+        try:
+            with box.out_path.open("wb") as out:
+                box.proc = await anyio.open_process(argv, cwd=box.root / "app", env=env, stdin=subprocess.DEVNULL,
+                                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            raise SandboxError(f"could not start {box.launch.argv[0]}: {e}") from None
+        self._live.add(box.sandbox_id)
+
+    async def wait(self, box: LocalSandbox, timeout_s: float) -> HarnessExit:
+        with anyio.move_on_after(timeout_s) as scope:
+            await box.proc.wait()
+        # Also after a normal exit: background children it left behind must not outlive it.
+        with anyio.CancelScope(shield=True):
+            await self._kill(box)
+        return HarnessExit(timed_out=scope.cancelled_caught, exit_code=box.proc.returncode)
+
+    async def logs(self, box: LocalSandbox) -> str:
+        return file_tail(box.out_path) if box.out_path is not None else ""
+
+    async def verify(self, box: LocalSandbox) -> Verdict:
+        assert box.root is not None
+        vr = await run_verifier_local(box.task, box.root / "app", logs_dir=box.root / "logs")
+        if vr.status != "ok":
+            raise VerifierError(f"{vr.error}\n{vr.stdout_tail}")
+        return Verdict(reward=vr.reward, rewards=vr.rewards, output=vr.stdout_tail)
+
+    async def cleanup(self, box: LocalSandbox) -> None:
+        if box.proc is not None and box.proc.returncode is None:
+            await self._kill(box)
+        self._live.discard(box.sandbox_id)
+        if not self.settings.keep_workspaces:
+            await anyio.to_thread.run_sync(rmtree, box.root)
+
+    async def _kill(self, box: LocalSandbox) -> None:
+        """SIGKILL the harness's process group, then whatever left it, and reap the harness."""
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(box.proc.pid, signal.SIGKILL)
+        # Children that left the process group (setsid, daemonized servers) still carry the marker.
+        await anyio.to_thread.run_sync(kill_marked, f"{MARKER_ID}={box.sandbox_id}")
+        await box.proc.wait()
+
+
+def _write_files(launch: Launch) -> None:
+    for path, content in launch.files.items():
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(content, encoding="utf-8")
