@@ -1,5 +1,5 @@
 """The white-box harness space: 3^5 configurations, an orthogonal training design, held-out configurations
-and locality-aware assignment (Harness Scaling; the design is described in docs/harness-space.md).
+and locality-aware assignment (Harness Scaling; the design is described in docs/rollout.md, "The white-box harness and the harness space").
 
 A configuration picks a realization 0, 1 or 2 for each of the five components S (system prompt), T (tool
 interface), O (observation), C (context management), W (workflow) of the white-box harness; its name is

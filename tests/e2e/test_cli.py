@@ -85,7 +85,7 @@ def test_sigint_stops_a_running_graph_quickly_with_the_log_intact(tmp_path):
     assert s["by_type"]["Note"] >= 2 * 10 - 1
     assert s["by_type"]["ActorStopped"] == 3
     log_lines = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
-    assert any(r["event"] == "signal received; stopping the graph" for r in log_lines)
+    assert any(r["event"].startswith("signal received; stopping the graph") for r in log_lines)
     assert (run_dir / "config.toml").exists()
 
 

@@ -29,11 +29,10 @@ def test_live_display_updates_in_place_with_log_lines_above(tmp_path):
     require(tmux is not None, "tmux is not installed (apt-get install tmux)")
     model, run_dir = tmp_path / "model", tmp_path / "run"
     sets = [
-        f'experiment.build_model.path="{model}"', "experiment.build_model.tasks=60",
-        f'proxy.engine.model="{model}"', f'learner.model="{model}"',
-        "scheduler.sft_groups=16", "tree.sft_pack=8", "learner.sft_packs=2", "learner.sft_epochs=2",
-        "scheduler.steps=2", "learner.steps=2", "scheduler.group_size=3", "scheduler.groups_per_step=2",
-        "learner.groups_per_step=2", "scheduler.tasks.count=40", "monitor.refresh_s=0.25",
+        f'run.model="{model}"', "experiment.build_model.tasks=60",
+        "scheduler.sft_groups=16", "tree.sft_pack=8", "learner.sft_epochs=2",
+        "run.steps=2", "scheduler.group_size=3", "run.groups_per_step=2",
+        "scheduler.tasks.count=40", "monitor.refresh_s=0.25",
     ]
     cmd = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
     for s in sets:
