@@ -19,9 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
 
 from pipeline.core.eventlog import EventLogReader

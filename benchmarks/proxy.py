@@ -62,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,6 @@ def chat_body(prompt: str, tag: str, max_tokens: int, turn: int = 0) -> dict[str
 
 def build_prompt(target_tokens: int) -> tuple[str, int]:
     """A long user text whose rendered chat prompt is about ``target_tokens`` tokens; (text, rendered length)."""
-    sys.path.insert(0, str(ROOT))
     from pipeline.tokens.conversation import from_chat
     from pipeline.tokens.render import qwen3_renderer
 
@@ -242,7 +242,6 @@ async def serve_bridle(port: int, engine_url: str, rollouts: int, render_thread_
 def serve_bridle_main(args: argparse.Namespace) -> None:
     import anyio
 
-    sys.path.insert(0, str(ROOT))
     port, engine_url = args.serve_bridle
     anyio.run(serve_bridle, int(port), engine_url, args.rollouts, args.render_thread_chars)
 
@@ -440,7 +439,7 @@ def throughput_model(row: dict[str, Any], render_ms: float) -> list[tuple[str, l
 def print_table(head: list[str], rows: list[list[str]]) -> None:
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(head)]
     for row in [head, *rows]:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))  # a row has the head's columns
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -455,140 +454,178 @@ def fmt(x: float | None, nd: int = 1) -> str:
     return "-" if x is None or math.isnan(x) else f"{x:.{nd}f}"
 
 
-def bench(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT))
-    from pipeline.tokens.tokenizer import QwenTokenizer
+def describe_workload(prompt: str, n_prompt: int, turns: int) -> str:
+    if turns == 1:
+        return f"{n_prompt}-token prompts"
+    from pipeline.tokens.conversation import from_chat
+    from pipeline.tokens.render import qwen3_renderer
 
-    ids = QwenTokenizer().encode("OK<|im_end|>")
-    prompt, n_prompt = build_prompt(args.prompt_tokens)
-    workload = f"{n_prompt}-token prompts"
-    if args.turns > 1:
-        from pipeline.tokens.conversation import from_chat
-        from pipeline.tokens.render import qwen3_renderer
+    n_last = len(qwen3_renderer().render_ids(from_chat(chat_body(prompt, "0-x-0-0", 16, turns - 1))))
+    return (f"conversations of {turns} calls, prompts of {n_prompt}-{n_last} tokens (each call resends "
+            "the history plus a short message)")
 
-        n_last = len(qwen3_renderer().render_ids(from_chat(chat_body(prompt, "0-x-0-0", 16, args.turns - 1))))
-        workload = (f"conversations of {args.turns} calls, prompts of {n_prompt}-{n_last} tokens (each call resends "
-                    "the history plus a short message)")
-    render_offline = offline_render_ms(prompt)
-    litellm_bin, litellm_why = find_litellm("none" if args.no_litellm else args.litellm)
 
-    tmp = Path(tempfile.mkdtemp(prefix="bridle-proxy-bench-"))
-    prompt_file = tmp / "prompt.txt"
-    prompt_file.write_text(prompt)
-    children: list[Child] = []
-    try:
-        engine = Child("engine", [sys.executable, str(ROOT / "benchmarks" / "_zero_engine.py"),
-                                  "--ids", *map(str, ids), "--text", "OK", "--tokenize"], log_dir=tmp)
-        children.append(engine)
-        engine_url = engine.wait_line("ENGINE-READY ", 60)
+@dataclass
+class Servers:
+    """The running servers and the targets the load client calls: name -> (URL, tokens JSON file or "-")."""
 
-        serve_cmd = [sys.executable, str(HERE), "--serve-bridle", "0", engine_url, "--rollouts", str(max(args.levels))]
-        if args.render_thread_chars is not None:
-            serve_cmd += ["--render-thread-chars", str(args.render_thread_chars)]
-        if args.py_spy:
-            spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-            serve_cmd = [spy, "record", "--nonblocking", "--rate", "1000", "-o", args.py_spy, "--format",
-                         "speedscope" if args.py_spy.endswith(".json") else "flamegraph", "--", *serve_cmd]
-        bridle = Child("bridle", serve_cmd, stdin=True, log_dir=tmp)
-        children.append(bridle)
-        ready = json.loads(bridle.wait_line("BRIDLE-READY ", 120))
-        bridle_tokens = tmp / "bridle_tokens.json"
-        bridle_tokens.write_text(json.dumps(ready["tokens"]))
+    engine: Child
+    engine_url: str
+    bridle: Child
+    bridle_ready: dict[str, Any]  # BRIDLE-READY: base_url, tokens, pid
+    targets: dict[str, tuple[str, str]]
+    procs: dict[str, Child]  # the server processes whose CPU is measured, by target name (and "engine")
 
-        targets: dict[str, tuple[str, str]] = {
-            "direct": (engine_url + "/v1/chat/completions", "-"),
-            "direct_tok": (engine_url + "/tokenize/v1/chat/completions", "-"),
-            "bridle": (ready["base_url"] + "/v1/chat/completions", str(bridle_tokens)),
-        }
-        if litellm_bin:
-            try:
-                lchild, lurl, key = start_litellm(litellm_bin, engine_url, tmp)
-                children.append(lchild)
-                (tmp / "litellm_tokens.json").write_text(json.dumps([key]))
-                targets["litellm"] = (lurl + "/v1/chat/completions", str(tmp / "litellm_tokens.json"))
-            except RuntimeError as e:
-                litellm_why = f"LiteLLM proxy failed to start: {e}"
-        print(f"prompt: {n_prompt} tokens rendered; answer ids {ids}; engine {engine_url}; "
-              f"bridle {ready['base_url']}; LiteLLM {targets.get('litellm', ('-',))[0] if 'litellm' in targets else litellm_why}",
-              flush=True)
+    def bridle_stats(self) -> dict[str, float]:
+        self.bridle.send("stats")
+        return json.loads(self.bridle.wait_line("BRIDLE-STATS ", 30))
 
-        procs = {"engine": engine, "bridle": bridle, **({"litellm": children[-1]} if "litellm" in targets else {})}
-        rows = []
-        for level in args.levels:
-            n = max(args.requests, 4 * level)
-            per_round = max(level, n // args.rounds)
-            pooled: dict[str, dict[str, Any]] = {t: {"lat": [], "wall": 0.0, "n": 0, "errors": 0} for t in targets}
-            cpu: dict[str, float] = {k: 0.0 for k in [*procs, *("engine:" + t for t in targets),
-                                                      *("client:" + t for t in targets), "bridle loop"]
-                                     if k != "engine"}
-            cpu_n: dict[str, int] = {k: 0 for k in cpu}
-            phases = {"render_seconds": 0.0, "calls": 0, "pre_s": 0.0, "engine_s": 0.0, "post_s": 0.0}
-            for rnd in range(args.rounds):
-                order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
-                for t in order:
-                    url, tok = targets[t]
-                    if t == "bridle":
-                        bridle.send("stats")
-                        before = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
-                    cpu0 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
-                    loop0 = main_thread_cpu_seconds(ready["pid"]) if t == "bridle" else 0.0
-                    r = run_level(url, tok, prompt_file, level, per_round, f"{level}-{t}-{rnd}", args.max_tokens,
-                                  args.turns)
-                    cpu1 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
-                    done = r["errors"] + len(r["latencies"]) + warmup_requests(level, args.turns)  # warm-up counts
-                    if t == "bridle":
-                        cpu["bridle loop"] += main_thread_cpu_seconds(ready["pid"]) - loop0
-                        cpu_n["bridle loop"] += done
-                    # CPU per request of the server in the path: the proxy for bridle/LiteLLM, the engine always
-                    if t in procs:
-                        cpu[t] += cpu1[t] - cpu0[t]
-                        cpu_n[t] += done
-                    cpu["engine:" + t] += cpu1["engine"] - cpu0["engine"]
-                    cpu_n["engine:" + t] += done
-                    cpu["client:" + t] += r["cpu"]
-                    cpu_n["client:" + t] += len(r["latencies"])
-                    if t == "bridle":
-                        bridle.send("stats")
-                        after = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
-                        for k in phases:
-                            phases[k] += after[k] - before[k]
-                    p = pooled[t]
-                    p["lat"] += r["latencies"]
-                    p["wall"] += r["wall"]
-                    p["n"] += len(r["latencies"])
-                    p["errors"] += r["errors"]
-                    if r["errors"]:
-                        print(f"  {t} @ {level}: {r['errors']} errors, e.g. {r['first_errors'][:2]}", flush=True)
-            row: dict[str, Any] = {"level": level,
-                                   "cpu_ms": {k: 1e3 * cpu[k] / cpu_n[k] if cpu_n[k] else float("nan") for k in cpu}}
-            for t, p in pooled.items():
-                row[t] = {"p50": pct(p["lat"], 50) * 1e3, "p99": pct(p["lat"], 99) * 1e3,
-                          "rps": p["n"] / p["wall"] if p["wall"] else float("nan"), "n": p["n"], "errors": p["errors"]}
-            c = phases["calls"] or float("nan")
-            row["render_ms"] = phases["render_seconds"] / c * 1e3
-            row["phases_ms"] = {k: phases[k] / c * 1e3 for k in ("pre_s", "engine_s", "post_s")}
-            rows.append(row)
-            print(f"  level {level}: " + ", ".join(
-                f"{t} p50 {row[t]['p50']:.2f} ms p99 {row[t]['p99']:.2f} ms {row[t]['rps']:.0f} req/s"
-                for t in pooled), flush=True)
-    except BaseException:
-        print(f"benchmark failed; child logs kept in {tmp}", file=sys.stderr)
-        raise
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        for c in reversed(children):
-            c.stop()
+    def cpu_seconds(self) -> dict[str, float]:
+        return {k: tree_cpu_seconds(c.proc.pid) for k, c in self.procs.items()}
 
-    def added(row: dict[str, Any], t: str, q: str) -> float | None:
-        return row[t][q] - row["direct"][q] if t in row else None
 
-    def share(row: dict[str, Any], t: str, base: str = "direct") -> float | None:
-        return 100 * row[t]["rps"] / row[base]["rps"] if t in row else None
+def start_servers(args: argparse.Namespace, ids: list[int], litellm_bin: str | None, tmp: Path,
+                  children: list[Child]) -> tuple[Servers, str]:
+    """Start the zero engine, bridle's proxy and (with ``litellm_bin``) LiteLLM's, appending each to ``children``
+    as it starts (the caller stops them); (servers, why LiteLLM failed to start or "")."""
+    engine = Child("engine", [sys.executable, str(ROOT / "benchmarks" / "_zero_engine.py"),
+                              "--ids", *map(str, ids), "--text", "OK", "--tokenize"], log_dir=tmp)
+    children.append(engine)
+    engine_url = engine.wait_line("ENGINE-READY ", 60)
 
-    def added_tok(row: dict[str, Any], q: str = "p50") -> float:
-        return row["bridle"][q] - row["direct_tok"][q]
+    serve_cmd = [sys.executable, str(HERE), "--serve-bridle", "0", engine_url, "--rollouts", str(max(args.levels))]
+    if args.render_thread_chars is not None:
+        serve_cmd += ["--render-thread-chars", str(args.render_thread_chars)]
+    if args.py_spy:
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        serve_cmd = [spy, "record", "--nonblocking", "--rate", "1000", "-o", args.py_spy, "--format",
+                     "speedscope" if args.py_spy.endswith(".json") else "flamegraph", "--", *serve_cmd]
+    bridle = Child("bridle", serve_cmd, stdin=True, log_dir=tmp)
+    children.append(bridle)
+    ready = json.loads(bridle.wait_line("BRIDLE-READY ", 120))
+    bridle_tokens = tmp / "bridle_tokens.json"
+    bridle_tokens.write_text(json.dumps(ready["tokens"]))
 
+    targets: dict[str, tuple[str, str]] = {
+        "direct": (engine_url + "/v1/chat/completions", "-"),
+        "direct_tok": (engine_url + "/tokenize/v1/chat/completions", "-"),
+        "bridle": (ready["base_url"] + "/v1/chat/completions", str(bridle_tokens)),
+    }
+    procs = {"engine": engine, "bridle": bridle}
+    litellm_failed = ""
+    if litellm_bin:
+        try:
+            lchild, lurl, key = start_litellm(litellm_bin, engine_url, tmp)
+            children.append(lchild)
+            (tmp / "litellm_tokens.json").write_text(json.dumps([key]))
+            targets["litellm"] = (lurl + "/v1/chat/completions", str(tmp / "litellm_tokens.json"))
+            procs["litellm"] = lchild
+        except RuntimeError as e:
+            litellm_failed = f"LiteLLM proxy failed to start: {e}"
+    return Servers(engine, engine_url, bridle, ready, targets, procs), litellm_failed
+
+
+class LevelTally:
+    """One level's measurements, summed over its rounds: per target the latencies, wall time and errors; CPU
+    seconds per consumer ("engine:<target>", "client:<target>", a proxy by its target name, "bridle loop") with
+    the requests they served; bridle's per-call phase seconds."""
+
+    def __init__(self, level: int, servers: Servers) -> None:
+        targets = servers.targets
+        self.level = level
+        self.pooled: dict[str, dict[str, Any]] = {t: {"lat": [], "wall": 0.0, "n": 0, "errors": 0} for t in targets}
+        self.cpu: dict[str, float] = {k: 0.0 for k in [*servers.procs, *("engine:" + t for t in targets),
+                                                       *("client:" + t for t in targets), "bridle loop"]
+                                      if k != "engine"}
+        self.cpu_n: dict[str, int] = {k: 0 for k in self.cpu}
+        self.phases = {"render_seconds": 0.0, "calls": 0, "pre_s": 0.0, "engine_s": 0.0, "post_s": 0.0}
+
+    def add_cpu(self, key: str, seconds: float, requests: int) -> None:
+        self.cpu[key] += seconds
+        self.cpu_n[key] += requests
+
+    def add_phases(self, before: dict[str, float], after: dict[str, float]) -> None:
+        for k in self.phases:
+            self.phases[k] += after[k] - before[k]
+
+    def add_result(self, target: str, r: dict[str, Any]) -> None:
+        p = self.pooled[target]
+        p["lat"] += r["latencies"]
+        p["wall"] += r["wall"]
+        p["n"] += len(r["latencies"])
+        p["errors"] += r["errors"]
+
+    def row(self) -> dict[str, Any]:
+        cpu, cpu_n = self.cpu, self.cpu_n
+        row: dict[str, Any] = {"level": self.level,
+                               "cpu_ms": {k: 1e3 * cpu[k] / cpu_n[k] if cpu_n[k] else float("nan") for k in cpu}}
+        for t, p in self.pooled.items():
+            row[t] = {"p50": pct(p["lat"], 50) * 1e3, "p99": pct(p["lat"], 99) * 1e3,
+                      "rps": p["n"] / p["wall"] if p["wall"] else float("nan"), "n": p["n"], "errors": p["errors"]}
+        c = self.phases["calls"] or float("nan")
+        row["render_ms"] = self.phases["render_seconds"] / c * 1e3
+        row["phases_ms"] = {k: self.phases[k] / c * 1e3 for k in ("pre_s", "engine_s", "post_s")}
+        return row
+
+
+def measure_target(args: argparse.Namespace, servers: Servers, prompt_file: Path, tally: LevelTally, target: str,
+                   requests: int, rnd: int) -> None:
+    """One client run of ``requests`` against ``target``, with the CPU the servers spent on it."""
+    level, procs, pid = tally.level, servers.procs, servers.bridle_ready["pid"]
+    url, tok = servers.targets[target]
+    if target == "bridle":
+        before = servers.bridle_stats()
+    cpu0 = servers.cpu_seconds()
+    loop0 = main_thread_cpu_seconds(pid) if target == "bridle" else 0.0
+    r = run_level(url, tok, prompt_file, level, requests, f"{level}-{target}-{rnd}", args.max_tokens, args.turns)
+    cpu1 = servers.cpu_seconds()
+    done = r["errors"] + len(r["latencies"]) + warmup_requests(level, args.turns)  # warm-up counts
+    if target == "bridle":
+        tally.add_cpu("bridle loop", main_thread_cpu_seconds(pid) - loop0, done)
+    # CPU per request of the server in the path: the proxy for bridle/LiteLLM, the engine always
+    if target in procs:
+        tally.add_cpu(target, cpu1[target] - cpu0[target], done)
+    tally.add_cpu("engine:" + target, cpu1["engine"] - cpu0["engine"], done)
+    tally.add_cpu("client:" + target, r["cpu"], len(r["latencies"]))
+    if target == "bridle":
+        tally.add_phases(before, servers.bridle_stats())
+    tally.add_result(target, r)
+    if r["errors"]:
+        print(f"  {target} @ {level}: {r['errors']} errors, e.g. {r['first_errors'][:2]}", flush=True)
+
+
+def measure_level(args: argparse.Namespace, servers: Servers, prompt_file: Path, level: int) -> dict[str, Any]:
+    """A level's table row: ``args.rounds`` rounds over every target, in alternating order (spreads drift)."""
+    n = max(args.requests, 4 * level)
+    per_round = max(level, n // args.rounds)
+    tally = LevelTally(level, servers)
+    for rnd in range(args.rounds):
+        order = list(servers.targets) if rnd % 2 == 0 else list(reversed(servers.targets))
+        for t in order:
+            measure_target(args, servers, prompt_file, tally, t, per_round, rnd)
+    row = tally.row()
+    print(f"  level {level}: " + ", ".join(
+        f"{t} p50 {row[t]['p50']:.2f} ms p99 {row[t]['p99']:.2f} ms {row[t]['rps']:.0f} req/s"
+        for t in tally.pooled), flush=True)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- report
+def added(row: dict[str, Any], t: str, q: str) -> float | None:
+    return row[t][q] - row["direct"][q] if t in row else None
+
+
+def share(row: dict[str, Any], t: str, base: str = "direct") -> float | None:
+    return 100 * row[t]["rps"] / row[base]["rps"] if t in row else None
+
+
+def added_tok(row: dict[str, Any], q: str = "p50") -> float:
+    return row["bridle"][q] - row["direct_tok"][q]
+
+
+def print_overhead(rows: list[dict[str, Any]], workload: str, render_offline: float, litellm_why: str | None) -> None:
+    """The added-latency and kept-throughput tables (against direct and direct+tokenize) and where the time goes;
+    ``litellm_why``: why LiteLLM is missing, None when it ran."""
     head = ["clients", "direct p50 ms", "direct req/s", "bridle +p50 ms", "bridle +p99 ms", "LiteLLM +p50 ms",
             "LiteLLM +p99 ms", "bridle % direct", "LiteLLM % direct", "render ms/call"]
     table = [[str(r["level"]), fmt(r["direct"]["p50"], 2), fmt(r["direct"]["rps"], 0), fmt(added(r, "bridle", "p50"), 2),
@@ -599,7 +636,7 @@ def bench(args: argparse.Namespace) -> int:
           f"(offline Splicer.render: {render_offline:.2f} ms/call; {os.cpu_count()} CPUs); direct: the engine only "
           "parses the JSON")
     print_table(head, table)
-    if "litellm" not in targets:
+    if litellm_why is not None:
         print(f"LiteLLM: {litellm_why}")
     print()
     print("Against the stricter baseline, direct+tokenize (the engine's chat endpoint renders and tokenizes the "
@@ -621,55 +658,97 @@ def bench(args: argparse.Namespace) -> int:
               for r in rows]
     print_table(head2, table2)
 
-    n_cores = cores()
-    if any(r["level"] >= 16 for r in rows):
-        print()
-        print(f"Throughput model: a path's CPU per request (client + engine + proxy, each one process on one event loop) "
-              f"bounds it at min({n_cores} cores / sum, 1 core / largest). 'render-only proxy' is any proxy that sends "
-              "token ids and does nothing else (its only CPU: bridle's render time, offline or in the run, whichever is "
-              "smaller): the ceiling on this machine. "
-              "'a core each' drops the machine limit (one core per process). Levels of 16+ clients only: one client "
-              "leaves the processes waiting on each other, and latency, not CPU, sets its rate.")
-        head4 = ["clients", "path", "CPU ms/req (client+engine+proxy[+threads])", "measured req/s",
-                 f"model req/s ({n_cores} cores)", "model % direct", "a core each: % direct"]
-        table4 = []
-        for r in rows:
-            if r["level"] < 16:
-                continue
-            # render CPU per call: the offline time (a fresh conversation, quiet) or the in-run mean (wall time,
-            # lower when calls extend earlier ones), whichever is smaller
-            model = throughput_model(r, min(render_offline, r["render_ms"]))
-            d_here, d_each = bound_rps(model[0][1], n_cores), bound_rps(model[0][1], 10**6)
-            r["model"] = {}
-            for path, parts, measured in model:
-                here, each = bound_rps(parts, n_cores), bound_rps(parts, 10**6)
-                r["model"][path] = {"cpu_ms": parts, "rps": here, "pct_direct": 100 * here / d_here,
-                                    "pct_direct_core_each": 100 * each / d_each}
-                table4.append([str(r["level"]), path, " + ".join(fmt(x, 2) for x in parts) + f" = {fmt(sum(parts), 2)}",
-                               fmt(measured, 0) if measured is not None else "-", fmt(here, 0),
-                               fmt(100 * here / d_here, 1), fmt(100 * each / d_each, 1)])
-        print_table(head4, table4)
 
-    verdicts = []
+def print_throughput_model(rows: list[dict[str, Any]], render_offline: float) -> None:
+    """The throughput model for the levels of 16+ clients; stores each such row's numbers as ``row["model"]``."""
+    n_cores = cores()
+    if not any(r["level"] >= 16 for r in rows):
+        return
+    print()
+    print(f"Throughput model: a path's CPU per request (client + engine + proxy, each one process on one event loop) "
+          f"bounds it at min({n_cores} cores / sum, 1 core / largest). 'render-only proxy' is any proxy that sends "
+          "token ids and does nothing else (its only CPU: bridle's render time, offline or in the run, whichever is "
+          "smaller): the ceiling on this machine. "
+          "'a core each' drops the machine limit (one core per process). Levels of 16+ clients only: one client "
+          "leaves the processes waiting on each other, and latency, not CPU, sets its rate.")
+    head4 = ["clients", "path", "CPU ms/req (client+engine+proxy[+threads])", "measured req/s",
+             f"model req/s ({n_cores} cores)", "model % direct", "a core each: % direct"]
+    table4 = []
+    for r in rows:
+        if r["level"] < 16:
+            continue
+        # render CPU per call: the offline time (a fresh conversation, quiet) or the in-run mean (wall time,
+        # lower when calls extend earlier ones), whichever is smaller
+        model = throughput_model(r, min(render_offline, r["render_ms"]))
+        d_here, d_each = bound_rps(model[0][1], n_cores), bound_rps(model[0][1], 10**6)
+        r["model"] = {}
+        for path, parts, measured in model:
+            here, each = bound_rps(parts, n_cores), bound_rps(parts, 10**6)
+            r["model"][path] = {"cpu_ms": parts, "rps": here, "pct_direct": 100 * here / d_here,
+                                "pct_direct_core_each": 100 * each / d_each}
+            table4.append([str(r["level"]), path, " + ".join(fmt(x, 2) for x in parts) + f" = {fmt(sum(parts), 2)}",
+                           fmt(measured, 0) if measured is not None else "-", fmt(here, 0),
+                           fmt(100 * here / d_here, 1), fmt(100 * each / d_each, 1)])
+    print_table(head4, table4)
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """The goals, met or missed: added latency at 1 client, kept throughput at 64 (after print_throughput_model)."""
+    out = []
     by_level = {r["level"]: r for r in rows}
     if 1 in by_level:
         a = added(by_level[1], "bridle", "p50")
         ex = a - by_level[1]["render_ms"] if a is not None else None
-        verdicts.append(f"1 client: bridle adds {fmt(ex, 2)} ms p50 excluding rendering "
-                        f"({fmt(a, 2)} ms with it) — goal <= 1 ms: {'met' if ex is not None and ex <= 1.0 else 'MISSED'}")
+        out.append(f"1 client: bridle adds {fmt(ex, 2)} ms p50 excluding rendering "
+                   f"({fmt(a, 2)} ms with it) — goal <= 1 ms: {'met' if ex is not None and ex <= 1.0 else 'MISSED'}")
         at = added_tok(by_level[1])
-        verdicts.append(f"1 client vs direct+tokenize (both render): bridle adds {fmt(at, 2)} ms p50 — "
-                        f"<= 1 ms: {'met' if at <= 1.0 else 'MISSED'}")
+        out.append(f"1 client vs direct+tokenize (both render): bridle adds {fmt(at, 2)} ms p50 — "
+                   f"<= 1 ms: {'met' if at <= 1.0 else 'MISSED'}")
     if 64 in by_level:
         s = share(by_level[64], "bridle")
         ceiling = by_level[64]["model"]["render-only proxy"]["pct_direct"]  # nan when a CPU reading is missing
-        verdicts.append(f"64 clients: bridle keeps {fmt(s, 1)} % of direct throughput — goal >= 40 %: "
-                        f"{'met' if s is not None and s >= 40 else 'MISSED'} (ceiling here for a proxy that only "
-                        f"renders and tokenizes: {fmt(ceiling, 1)} %{', so even such a proxy would miss the goal in this run' if ceiling < 40 else ''})")
+        out.append(f"64 clients: bridle keeps {fmt(s, 1)} % of direct throughput — goal >= 40 %: "
+                   f"{'met' if s is not None and s >= 40 else 'MISSED'} (ceiling here for a proxy that only "
+                   f"renders and tokenizes: {fmt(ceiling, 1)} %{', so even such a proxy would miss the goal in this run' if ceiling < 40 else ''})")
         st = share(by_level[64], "bridle", "direct_tok")
-        verdicts.append(f"64 clients vs direct+tokenize: bridle keeps {fmt(st, 1)} % of its throughput — "
-                        f">= 40 %: {'met' if st is not None and st >= 40 else 'MISSED'}")
-    for v in verdicts:
+        out.append(f"64 clients vs direct+tokenize: bridle keeps {fmt(st, 1)} % of its throughput — "
+                   f">= 40 %: {'met' if st is not None and st >= 40 else 'MISSED'}")
+    return out
+
+
+def bench(args: argparse.Namespace) -> int:
+    from pipeline.tokens.tokenizer import QwenTokenizer
+
+    ids = QwenTokenizer().encode("OK<|im_end|>")
+    prompt, n_prompt = build_prompt(args.prompt_tokens)
+    workload = describe_workload(prompt, n_prompt, args.turns)
+    render_offline = offline_render_ms(prompt)
+    litellm_bin, litellm_why = find_litellm("none" if args.no_litellm else args.litellm)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bridle-proxy-bench-"))
+    prompt_file = tmp / "prompt.txt"
+    prompt_file.write_text(prompt)
+    children: list[Child] = []
+    try:
+        servers, litellm_failed = start_servers(args, ids, litellm_bin, tmp, children)
+        litellm_why = litellm_failed or litellm_why
+        targets = servers.targets
+        print(f"prompt: {n_prompt} tokens rendered; answer ids {ids}; engine {servers.engine_url}; "
+              f"bridle {servers.bridle_ready['base_url']}; LiteLLM {targets['litellm'][0] if 'litellm' in targets else litellm_why}",
+              flush=True)
+        rows = [measure_level(args, servers, prompt_file, level) for level in args.levels]
+    except BaseException:
+        print(f"benchmark failed; child logs kept in {tmp}", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        for c in reversed(children):
+            c.stop()
+
+    print_overhead(rows, workload, render_offline, None if "litellm" in targets else litellm_why)
+    print_throughput_model(rows, render_offline)
+    for v in verdicts(rows):
         print(v)
     if args.json:
         Path(args.json).write_text(json.dumps({"prompt_tokens": n_prompt, "turns": args.turns, "render_offline_ms": render_offline,

@@ -28,9 +28,6 @@ import time
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
 
 MARGIN = 0.05
