@@ -444,17 +444,17 @@ class Learner:
         for b in bins:
             forest, offsets = ta.concat([ta.slice_tree(t.arrays, s, e) for t, s, e in b])
             keep = [(t.targets >= s) & (t.targets < e) for t, s, e in b]
+            picked = [(t, k) for (t, _, _), k in zip(b, keep, strict=True)]  # each tree with its targets' mask
             micros.append(
                 _Micro(
                     forest=forest,
                     targets=np.concatenate(
-                        [t.targets[k] - s + off for (t, s, _), k, off in zip(b, keep, offsets)]
+                        [t.targets[k] - s + off for (t, s, _), k, off in zip(b, keep, offsets, strict=True)]
                     ),
-                    score=np.concatenate([t.score[k] for (t, _, _), k in zip(b, keep)]),
-                    weight=np.concatenate([t.weight[k] for (t, _, _), k in zip(b, keep)]),
-                    logp_rollout=np.concatenate([t.logp_rollout[k] for (t, _, _), k in zip(b, keep)]),
-                    temperature=np.concatenate(
-                        [np.full(int(k.sum()), t.temperature, np.float32) for (t, _, _), k in zip(b, keep)]),
+                    score=np.concatenate([t.score[k] for t, k in picked]),
+                    weight=np.concatenate([t.weight[k] for t, k in picked]),
+                    logp_rollout=np.concatenate([t.logp_rollout[k] for t, k in picked]),
+                    temperature=np.concatenate([np.full(int(k.sum()), t.temperature, np.float32) for t, k in picked]),
                 )
             )
         return micros
@@ -468,10 +468,7 @@ class Learner:
         if self.attention == "flex":
             forest = ta.pad_to(forest, ta.FLEX_BLOCK)
         se = torch.as_tensor(forest.subtree_end, device=dev)
-        if self.attention == "flex":
-            attn = ta.flex_block_mask(se)
-        else:
-            attn = ta.dense_mask(se)
+        attn = ta.flex_block_mask(se) if self.attention == "flex" else ta.dense_mask(se)
         return {
             "input_ids": torch.as_tensor(forest.tokens, device=dev)[None],
             "position_ids": torch.as_tensor(forest.positions, device=dev)[None],
