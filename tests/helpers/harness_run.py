@@ -34,8 +34,8 @@ async def run_harness(harness: str, tmp_path: Path, first_call: ScriptResponse, 
                             instruction="Create hello.txt containing: hello from bridle", binary=binary)
         launch = launch_for(harness, ctx)
         for path, content in launch.files.items():
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(content)
+            await anyio.Path(path).parent.mkdir(parents=True, exist_ok=True)
+            await anyio.Path(path).write_text(content)
         env = {"PATH": os.environ["PATH"], **launch.env}
         with anyio.fail_after(240):
             proc = await anyio.run_process(launch.argv, env=env, cwd=ws, stdin=subprocess.DEVNULL, check=False)
