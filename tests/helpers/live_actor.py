@@ -19,6 +19,7 @@ class Live:
         self.inbox = inbox
         self.sent: dict[str, list[Message]] = defaultdict(list)
         self.arrived = anyio.Condition()  # notified on every message an output sends
+        self.stopped = anyio.Event()  # set when the actor's run() returns by itself
 
     async def wait_for(self, output: str, n: int) -> list[Message]:
         """The first ``n`` messages of ``output``, waiting until they are there: at most 10 s (a test that needs
@@ -48,7 +49,11 @@ async def live(actor: Actor[Any], inbox_size: int = 64) -> AsyncIterator[Live]:
             actor.out[name] = Output(f"{actor.name}.{name}", None)
             actor.out[name].connect(out_send)
             tg.start_soon(drain, name, out_recv)
-        tg.start_soon(actor.run)
+        async def run() -> None:
+            await actor.run()
+            harness.stopped.set()
+
+        tg.start_soon(run)
         try:
             yield harness
         finally:
