@@ -49,6 +49,7 @@ async def live(actor: Actor[Any], inbox_size: int = 64) -> AsyncIterator[Live]:
             actor.out[name] = Output(f"{actor.name}.{name}", None)
             actor.out[name].connect(out_send)
             tg.start_soon(drain, name, out_recv)
+
         async def run() -> None:
             await actor.run()
             harness.stopped.set()
