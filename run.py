@@ -7,6 +7,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.core.runtime import Resolver
 
 import msgspec
 
@@ -116,13 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import anyio
-
+    # imported after parsing, so that --help answers without loading the library
     from actors import REGISTRY
-    from pipeline.cli import launch
     from pipeline.core import config as cfg
     from pipeline.core import logs
-    from pipeline.core.eventlog import EventLogError, summarize
+    from pipeline.core.eventlog import EventLogError
     from pipeline.core.runtime import ActorCrashed, Interrupted, make_resolver
 
     resolve = make_resolver(REGISTRY)
@@ -134,59 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         return build_images([])
     try:
         if args.replay:
-            log_path = Path(args.replay)
-            if log_path.is_dir():
-                log_path = log_path / "events.msgpack"
-            if args.trees:
-                from pipeline.cli import tree_report
-
-                rep, trees = tree_report.report(log_path)
-                print(msgspec.json.encode(rep).decode() if args.json else tree_report.text(rep, trees, args.calls))
-                return 0
-            if args.calls:
-                print("\n".join(launch.call_lines(log_path)))
-                return 0
-            if not args.stage:
-                s = summarize(log_path)
-                print(json.dumps(s.as_dict()) if args.json else launch.summary_text(s))
-                return 0
-            exp = launch.recorded_experiment(log_path, resolve, args.overrides)
-            stage = launch.resolve_stage(exp, [x.strip() for x in args.stage.split(",") if x.strip()])
-            rd = launch.prepare(exp, args.run_dir, suffix="-replay")
-            anyio.run(launch.replay_stage, log_path, exp, resolve, stage, rd)
-            print(json.dumps({"run_dir": str(rd.path), "events": str(rd.events),
-                              **launch.compare_replay(log_path, rd.events)}))
-            return 0
+            return replay(args, resolve)
         if args.resume:
-            rd = launch.RunDir(Path(args.resume))
-            exp = cfg.load_experiment(rd.config, resolve, args.overrides)
-            logs.configure(rd.log_file, level=exp.experiment.log_level)
-            anyio.run(lambda: launch.resume_experiment(exp, resolve, rd, config_path=None if args.no_watch
-                                                        else rd.config))
-            logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
-            return 0
+            return resume(args, resolve)
         if not args.experiment:
             print("run.py: give --experiment NAME|PATH, --resume RUN_DIR or --replay LOG (see --help)",
                   file=sys.stderr)
             return 2
-        path = cfg.resolve_experiment_path(args.experiment)
-        exp = cfg.load_experiment(path, resolve, args.overrides)
-        if args.validate:
-            print(f"{path}: ok ({len(exp.graph.actors)} actors)")
-            return 0
-        rd = launch.prepare(exp, args.run_dir)
-        if args.serve:
-
-            def announce(info: dict) -> None:
-                print(json.dumps(info), flush=True)
-
-            anyio.run(launch.serve, exp, resolve, rd, announce)
-            return 0
-        anyio.run(
-            lambda: launch.run_experiment(exp, resolve, rd, config_path=None if args.no_watch else path)
-        )
-        logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
-        return 0
+        return run(args, resolve)
     except (cfg.ConfigError, EventLogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -198,6 +155,80 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except KeyboardInterrupt:
         return 130
+
+
+def replay(args: argparse.Namespace, resolve: Resolver) -> int:
+    """--replay LOG: print what the log holds (--trees, --calls, the summary), or rerun --stage from it."""
+    import anyio
+
+    from pipeline.cli import launch
+    from pipeline.core.eventlog import summarize
+
+    log_path = Path(args.replay)
+    if log_path.is_dir():
+        log_path = log_path / "events.msgpack"
+    if args.trees:
+        from pipeline.cli import tree_report
+
+        rep, trees = tree_report.report(log_path)
+        print(msgspec.json.encode(rep).decode() if args.json else tree_report.text(rep, trees, args.calls))
+        return 0
+    if args.calls:
+        print("\n".join(launch.call_lines(log_path)))
+        return 0
+    if not args.stage:
+        s = summarize(log_path)
+        print(json.dumps(s.as_dict()) if args.json else launch.summary_text(s))
+        return 0
+    exp = launch.recorded_experiment(log_path, resolve, args.overrides)
+    stage = launch.resolve_stage(exp, [x.strip() for x in args.stage.split(",") if x.strip()])
+    rd = launch.prepare(exp, args.run_dir, suffix="-replay")
+    anyio.run(launch.replay_stage, log_path, exp, resolve, stage, rd)
+    print(json.dumps({"run_dir": str(rd.path), "events": str(rd.events),
+                      **launch.compare_replay(log_path, rd.events)}))
+    return 0
+
+
+def resume(args: argparse.Namespace, resolve: Resolver) -> int:
+    """--resume RUN_DIR: continue the run with its own config.toml (--set on top)."""
+    import anyio
+
+    from pipeline.cli import launch
+    from pipeline.core import config as cfg
+    from pipeline.core import logs
+
+    rd = launch.RunDir(Path(args.resume))
+    exp = cfg.load_experiment(rd.config, resolve, args.overrides)
+    logs.configure(rd.log_file, level=exp.experiment.log_level)
+    anyio.run(lambda: launch.resume_experiment(exp, resolve, rd, config_path=None if args.no_watch else rd.config))
+    logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
+    return 0
+
+
+def run(args: argparse.Namespace, resolve: Resolver) -> int:
+    """--experiment: validate it, serve it (--serve) or run it."""
+    import anyio
+
+    from pipeline.cli import launch
+    from pipeline.core import config as cfg
+    from pipeline.core import logs
+
+    path = cfg.resolve_experiment_path(args.experiment)
+    exp = cfg.load_experiment(path, resolve, args.overrides)
+    if args.validate:
+        print(f"{path}: ok ({len(exp.graph.actors)} actors)")
+        return 0
+    rd = launch.prepare(exp, args.run_dir)
+    if args.serve:
+
+        def announce(info: dict) -> None:
+            print(json.dumps(info), flush=True)
+
+        anyio.run(launch.serve, exp, resolve, rd, announce)
+        return 0
+    anyio.run(lambda: launch.run_experiment(exp, resolve, rd, config_path=None if args.no_watch else path))
+    logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
+    return 0
 
 
 if __name__ == "__main__":

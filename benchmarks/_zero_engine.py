@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import sys
 import time
-from pathlib import Path
 
 from aiohttp import web
 
@@ -94,7 +93,6 @@ def make_app(ids: tuple[int, ...] = DEFAULT_IDS, text: str = DEFAULT_TEXT, token
 
     render = None
     if tokenize:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the bridle checkout this file is in
         from pipeline.tokens.conversation import from_chat
         from pipeline.tokens.render import qwen3_renderer
 
@@ -154,10 +152,8 @@ def main() -> None:
     ap.add_argument("--tokenize", action="store_true",
                     help="also serve /tokenize/v1/chat/completions (renders + tokenizes; needs bridle importable)")
     args = ap.parse_args()
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(args.port, tuple(args.ids), args.text, args.tokenize))
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

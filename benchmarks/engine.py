@@ -10,14 +10,11 @@ Goal: >= 4x the single-request aggregate throughput at 16 concurrent requests (b
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import anyio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.models.small import IM_END, IM_START, VocabTable, create_small_model
 from pipeline.serving.engine import Sampling

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import anyio
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.core.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
 from pipeline.messages import ModelCall, Note, pack_f32, pack_i32

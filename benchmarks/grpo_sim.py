@@ -33,9 +33,6 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 import msgspec
 import numpy as np
 import torch
@@ -59,6 +56,7 @@ from pipeline.tokens.render import qwen3_renderer
 from pipeline.training.learner import Learner, LearnerConfig
 from pipeline.trees.packing import build_group
 
+ROOT = Path(__file__).resolve().parent.parent
 IM_END = 151645
 
 

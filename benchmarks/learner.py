@@ -22,15 +22,11 @@ dense mask at 1/16 of the lengths, plus the token counts of the full shape.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.logs import configure
 from pipeline.messages import PackedTree, RolloutSummary, TreeGroup, ids, mask, pack_f32, pack_i32, pack_u8
@@ -203,8 +199,7 @@ def make_model(small: bool):
     return Qwen3ForCausalLM(cfg), cfg
 
 
-def main() -> None:
-    cuda = torch.cuda.is_available()
+def parse_args(cuda: bool) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--small", action="store_true", default=not cuda, help="tiny model on CPU (default w/o CUDA)"
@@ -220,19 +215,11 @@ def main() -> None:
     ap.add_argument("--layouts", default="tree,trajectory,call")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing in the transformer")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
-    args = ap.parse_args()
-    configure(level="warning")  # the learner's per-step info lines would drown the table
-    small = args.small
-    full = Shape(args.rollouts, args.turns, args.prompt, args.response, args.obs)
-    run_shape = full.scaled(args.scale or (16 if small else 1))
-    model, mcfg = make_model(small)
-    budget = args.micro_batch_tokens or (2048 if small else 32768)
+    return ap.parse_args()
 
-    print(
-        f"shape: {full.rollouts} rollouts x {full.turns} turns, prompt {full.prompt}, response {full.response}, "
-        f"observation {full.obs}"
-    )
-    full_groups = layouts(full, mcfg.vocab_size)
+
+def print_counts(full_groups: dict[str, TreeGroup]) -> None:
+    """Sequences, tokens and attention pairs of each layout, and their ratio to the trajectory layout's."""
     full_counts = {k: counts(g) for k, g in full_groups.items()}
     print("\ntoken counts, full shape")
     print(
@@ -246,61 +233,86 @@ def main() -> None:
             f"{c['tokens'] / base['tokens']:>9.2f} {c['attn_pairs'] / base['attn_pairs']:>8.2f}"
         )
 
-    groups = full_groups if run_shape == full else layouts(run_shape, mcfg.vocab_size)
-    device = "cuda" if cuda and not small else "cpu"
-    cfg = LearnerConfig(
-        lr=1e-6,
-        micro_batch_tokens=budget,
-        attention="flex" if device == "cuda" else "dense",
-        mixed_precision="bf16" if device == "cuda" else "no",
-        param_dtype="bfloat16" if device == "cuda" else "float32",
-        gradient_checkpointing=args.grad_ckpt,
-    )
-    from accelerate import Accelerator
 
-    learner = Learner(
-        model, cfg, accelerator=Accelerator(mixed_precision=cfg.mixed_precision, cpu=device == "cpu")
-    )
-    print(
-        f"\ntimed run: {'small Qwen3 on CPU, dense mask' if small else 'Qwen3-0.6B shape, bf16, flex attention'}"
-        f", lengths / {args.scale or (16 if small else 1)}, micro-batch {budget} tokens, {args.iters} steps after "
-        "a warm-up step"
-    )
-    rows = {}
-    for name in args.layouts.split(","):
-        g = groups[name]
-        learner.train_step([g])  # warm-up: compilation, allocator
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            learner.train_step([g])
-        if device == "cuda":
-            torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / args.iters
-        c = counts(g)
-        mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-        rows[name] = (c, dt, model_flops(mcfg, c) / dt / 1e12, mem)
+def time_layout(learner: Learner, g: TreeGroup, iters: int, cuda: bool) -> tuple[float, float]:
+    """(seconds per train step, mean of ``iters`` after a warm-up one; peak GiB allocated on the GPU or NaN)."""
+    learner.train_step([g])  # warm-up: compilation, allocator
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        learner.train_step([g])
+    if cuda:
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / iters
+    return dt, torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
 
+
+Timing = tuple[dict[str, int], float, float, float]  # counts, step seconds, model TFLOP/s, peak GiB
+
+
+def print_timings(rows: dict[str, Timing], cuda: bool, peak_tflops: float) -> None:
     print(
         f"\n{'layout':<11} {'tokens':>8} {'step s':>8} {'x traj':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
         f"{'peak GiB':>8}"
     )
     ref = rows.get("trajectory", next(iter(rows.values())))[1]
     for name, (c, dt, tflops, mem) in rows.items():
-        gpu = device == "cuda"
-        mfu = f"{100 * tflops / args.peak_tflops:.1f}%" if gpu else "-"
-        tf, gib = (f"{tflops:.1f}", f"{mem:.1f}") if gpu else ("-", "-")
+        mfu = f"{100 * tflops / peak_tflops:.1f}%" if cuda else "-"
+        tf, gib = (f"{tflops:.1f}", f"{mem:.1f}") if cuda else ("-", "-")
         print(
             f"{name:<11} {c['tokens']:>8} {dt:>8.3f} {dt / ref:>7.2f} {c['tokens'] / dt:>9.0f} {tf:>8} {mfu:>6} "
             f"{gib:>8}"
         )
-    if device == "cuda":
+    if cuda:
         print(
             f"\nMFU: model FLOPs of each layout (matmuls + visible attention pairs + LM head on trainable rows, "
-            f"x3 for backward) / step time / {args.peak_tflops:.0f} TFLOP/s"
+            f"x3 for backward) / step time / {peak_tflops:.0f} TFLOP/s"
         )
+
+
+def main() -> None:
+    args = parse_args(torch.cuda.is_available())
+    configure(level="warning")  # the learner's per-step info lines would drown the table
+    small = args.small
+    full = Shape(args.rollouts, args.turns, args.prompt, args.response, args.obs)
+    run_shape = full.scaled(args.scale or (16 if small else 1))
+    model, mcfg = make_model(small)
+    budget = args.micro_batch_tokens or (2048 if small else 32768)
+
+    print(
+        f"shape: {full.rollouts} rollouts x {full.turns} turns, prompt {full.prompt}, response {full.response}, "
+        f"observation {full.obs}"
+    )
+    full_groups = layouts(full, mcfg.vocab_size)
+    print_counts(full_groups)
+
+    groups = full_groups if run_shape == full else layouts(run_shape, mcfg.vocab_size)
+    gpu = torch.cuda.is_available() and not small
+    cfg = LearnerConfig(
+        lr=1e-6,
+        micro_batch_tokens=budget,
+        attention="flex" if gpu else "dense",
+        mixed_precision="bf16" if gpu else "no",
+        param_dtype="bfloat16" if gpu else "float32",
+        gradient_checkpointing=args.grad_ckpt,
+    )
+    from accelerate import Accelerator
+
+    learner = Learner(model, cfg, accelerator=Accelerator(mixed_precision=cfg.mixed_precision, cpu=not gpu))
+    print(
+        f"\ntimed run: {'small Qwen3 on CPU, dense mask' if small else 'Qwen3-0.6B shape, bf16, flex attention'}"
+        f", lengths / {args.scale or (16 if small else 1)}, micro-batch {budget} tokens, {args.iters} steps after "
+        "a warm-up step"
+    )
+    rows: dict[str, Timing] = {}
+    for name in args.layouts.split(","):
+        g = groups[name]
+        dt, mem = time_layout(learner, g, args.iters, gpu)
+        c = counts(g)
+        rows[name] = (c, dt, model_flops(mcfg, c) / dt / 1e12, mem)
+    print_timings(rows, gpu, args.peak_tflops)
 
 
 if __name__ == "__main__":

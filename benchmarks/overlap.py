@@ -18,13 +18,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the checkout's pipeline: imported in the functions, after this
+from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
+
+from pipeline.core.eventlog import EventLogReader
+from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest, TreeGroup
 
 
 def measure(run_dir: Path) -> dict[str, float]:
-    from pipeline.core.eventlog import EventLogReader
-    from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest, TreeGroup
     from pipeline.monitor.metrics import load_metrics, of_kind
 
     issued: dict[str, float] = {}
@@ -51,7 +51,6 @@ def measure(run_dir: Path) -> dict[str, float]:
 
 
 def main() -> int:
-    from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)

@@ -51,19 +51,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
-import queue
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# benchmarks/ is sys.path[0] when run as a script
+from _children import Child, free_port, main_thread_cpu_seconds, tree_cpu_seconds
+from _proxy_report import print_overhead, print_throughput_model, verdicts
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve()
@@ -108,7 +109,6 @@ def chat_body(prompt: str, tag: str, max_tokens: int, turn: int = 0) -> dict[str
 
 def build_prompt(target_tokens: int) -> tuple[str, int]:
     """A long user text whose rendered chat prompt is about ``target_tokens`` tokens; (text, rendered length)."""
-    sys.path.insert(0, str(ROOT))
     from pipeline.tokens.conversation import from_chat
     from pipeline.tokens.render import qwen3_renderer
 
@@ -242,105 +242,11 @@ async def serve_bridle(port: int, engine_url: str, rollouts: int, render_thread_
 def serve_bridle_main(args: argparse.Namespace) -> None:
     import anyio
 
-    sys.path.insert(0, str(ROOT))
     port, engine_url = args.serve_bridle
     anyio.run(serve_bridle, int(port), engine_url, args.rollouts, args.render_thread_chars)
 
 
 # ------------------------------------------------------------------------------------------ orchestration
-class Child:
-    """A child process whose stdout we read line by line for marker lines."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None = None, stdin: bool = False,
-                 log_dir: Path | None = None) -> None:
-        self.name = name
-        self.log_path = (log_dir / f"{name}.stderr.log") if log_dir else None
-        with open(self.log_path or os.devnull, "wb") as err:  # the child keeps its own copy of the handle
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err,
-                                         stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                         env={**os.environ, **(env or {})}, cwd=str(ROOT), text=True, bufsize=1)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_line(self, marker: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                raise RuntimeError(f"{self.name}: no '{marker.strip()}' line within {timeout:.0f} s "
-                                   f"(exit code {self.proc.poll()}; stderr in {self.log_path})")
-            if line.startswith(marker):
-                return line[len(marker):].strip()
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def stop(self, grace: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                if self.proc.stdin is not None:
-                    self.proc.stdin.close()
-                else:
-                    self.proc.terminate()
-                self.proc.wait(timeout=grace)
-            except (subprocess.TimeoutExpired, BrokenPipeError):
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-
-
-def _proc_stat(path: str) -> tuple[int, float] | None:
-    """(parent pid, user + system CPU seconds) from a /proc .../stat file; None when it is gone."""
-    try:
-        raw = Path(path).read_text()
-    except OSError:
-        return None
-    f = raw[raw.rindex(")") + 2:].split()  # fields after "pid (comm)"
-    return int(f[1]), (int(f[11]) + int(f[12])) / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and its descendants (Linux /proc; NaN elsewhere)."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return float("nan")
-    stats = {int(e): st for e in entries if e.isdigit() and (st := _proc_stat(f"/proc/{e}/stat")) is not None}
-    if pid not in stats:
-        return float("nan")
-    total, todo = 0.0, [pid]
-    while todo:
-        q = todo.pop()
-        total += stats[q][1]
-        todo += [c for c, (ppid, _) in stats.items() if ppid == q]
-    return total
-
-
-def main_thread_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process's main thread: bridle's event loop, without its tokenizer threads."""
-    st = _proc_stat(f"/proc/{pid}/task/{pid}/stat")
-    return st[1] if st is not None else float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def find_litellm(arg: str | None) -> tuple[str | None, str]:
     """(binary, why not) for the LiteLLM proxy."""
     if arg == "none":
@@ -408,41 +314,6 @@ def warmup_requests(concurrency: int, turns: int) -> int:
     return max(2 * concurrency, 8) * turns
 
 
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def bound_rps(parts_ms: list[float], n_cores: int) -> float:
-    """The most requests/s a path can serve when a request costs these CPU ms in each of its processes (each on
-    one event loop): no process exceeds one core, and all of them together cannot exceed the machine's cores."""
-    if any(math.isnan(x) for x in parts_ms) or not parts_ms:
-        return float("nan")
-    return 1e3 * min(n_cores / sum(parts_ms), 1 / max(parts_ms))
-
-
-def throughput_model(row: dict[str, Any], render_ms: float) -> list[tuple[str, list[float], float | None]]:
-    """(path, CPU ms per request of client / engine / proxy (loop / threads), measured req/s) for the throughput
-    model: the two measured paths, and what a proxy whose only work is rendering + tokenizing (``render_ms``)
-    would allow with the same client and engine costs — the ceiling for any proxy that sends token ids."""
-    c = row["cpu_ms"]
-    out: list[tuple[str, list[float], float | None]] = [
-        ("direct", [c["client:direct"], c["engine:direct"]], row["direct"]["rps"]),
-        # bridle's event loop and its tokenizer threads (ProxySettings.render_thread_chars) are separate consumers
-        ("bridle", [c["client:bridle"], c["engine:bridle"], c["bridle loop"], max(0.0, c["bridle"] - c["bridle loop"])],
-         row["bridle"]["rps"]),
-        ("render-only proxy", [c["client:bridle"], c["engine:bridle"], render_ms], None),
-    ]
-    if "litellm" in row:
-        out.append(("LiteLLM", [c["client:litellm"], c["engine:litellm"], c["litellm"]], row["litellm"]["rps"]))
-    return out
-
-
-def print_table(head: list[str], rows: list[list[str]]) -> None:
-    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(head)]
-    for row in [head, *rows]:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-
-
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     if not s:
@@ -451,24 +322,168 @@ def pct(xs: list[float], q: float) -> float:
     return s[k]
 
 
-def fmt(x: float | None, nd: int = 1) -> str:
-    return "-" if x is None or math.isnan(x) else f"{x:.{nd}f}"
+def describe_workload(prompt: str, n_prompt: int, turns: int) -> str:
+    if turns == 1:
+        return f"{n_prompt}-token prompts"
+    from pipeline.tokens.conversation import from_chat
+    from pipeline.tokens.render import qwen3_renderer
+
+    n_last = len(qwen3_renderer().render_ids(from_chat(chat_body(prompt, "0-x-0-0", 16, turns - 1))))
+    return (f"conversations of {turns} calls, prompts of {n_prompt}-{n_last} tokens (each call resends "
+            "the history plus a short message)")
+
+
+@dataclass
+class Servers:
+    """The running servers and the targets the load client calls: name -> (URL, tokens JSON file or "-")."""
+
+    engine: Child
+    engine_url: str
+    bridle: Child
+    bridle_ready: dict[str, Any]  # BRIDLE-READY: base_url, tokens, pid
+    targets: dict[str, tuple[str, str]]
+    procs: dict[str, Child]  # the server processes whose CPU is measured, by target name (and "engine")
+
+    def bridle_stats(self) -> dict[str, float]:
+        self.bridle.send("stats")
+        return json.loads(self.bridle.wait_line("BRIDLE-STATS ", 30))
+
+    def cpu_seconds(self) -> dict[str, float]:
+        return {k: tree_cpu_seconds(c.proc.pid) for k, c in self.procs.items()}
+
+
+def start_servers(args: argparse.Namespace, ids: list[int], litellm_bin: str | None, tmp: Path,
+                  children: list[Child]) -> tuple[Servers, str]:
+    """Start the zero engine, bridle's proxy and (with ``litellm_bin``) LiteLLM's, appending each to ``children``
+    as it starts (the caller stops them); (servers, why LiteLLM failed to start or "")."""
+    engine = Child("engine", [sys.executable, str(ROOT / "benchmarks" / "_zero_engine.py"),
+                              "--ids", *map(str, ids), "--text", "OK", "--tokenize"], log_dir=tmp)
+    children.append(engine)
+    engine_url = engine.wait_line("ENGINE-READY ", 60)
+
+    serve_cmd = [sys.executable, str(HERE), "--serve-bridle", "0", engine_url, "--rollouts", str(max(args.levels))]
+    if args.render_thread_chars is not None:
+        serve_cmd += ["--render-thread-chars", str(args.render_thread_chars)]
+    if args.py_spy:
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        serve_cmd = [spy, "record", "--nonblocking", "--rate", "1000", "-o", args.py_spy, "--format",
+                     "speedscope" if args.py_spy.endswith(".json") else "flamegraph", "--", *serve_cmd]
+    bridle = Child("bridle", serve_cmd, stdin=True, log_dir=tmp)
+    children.append(bridle)
+    ready = json.loads(bridle.wait_line("BRIDLE-READY ", 120))
+    bridle_tokens = tmp / "bridle_tokens.json"
+    bridle_tokens.write_text(json.dumps(ready["tokens"]))
+
+    targets: dict[str, tuple[str, str]] = {
+        "direct": (engine_url + "/v1/chat/completions", "-"),
+        "direct_tok": (engine_url + "/tokenize/v1/chat/completions", "-"),
+        "bridle": (ready["base_url"] + "/v1/chat/completions", str(bridle_tokens)),
+    }
+    procs = {"engine": engine, "bridle": bridle}
+    litellm_failed = ""
+    if litellm_bin:
+        try:
+            lchild, lurl, key = start_litellm(litellm_bin, engine_url, tmp)
+            children.append(lchild)
+            (tmp / "litellm_tokens.json").write_text(json.dumps([key]))
+            targets["litellm"] = (lurl + "/v1/chat/completions", str(tmp / "litellm_tokens.json"))
+            procs["litellm"] = lchild
+        except RuntimeError as e:
+            litellm_failed = f"LiteLLM proxy failed to start: {e}"
+    return Servers(engine, engine_url, bridle, ready, targets, procs), litellm_failed
+
+
+class LevelTally:
+    """One level's measurements, summed over its rounds: per target the latencies, wall time and errors; CPU
+    seconds per consumer ("engine:<target>", "client:<target>", a proxy by its target name, "bridle loop") with
+    the requests they served; bridle's per-call phase seconds."""
+
+    def __init__(self, level: int, servers: Servers) -> None:
+        targets = servers.targets
+        self.level = level
+        self.pooled: dict[str, dict[str, Any]] = {t: {"lat": [], "wall": 0.0, "n": 0, "errors": 0} for t in targets}
+        self.cpu: dict[str, float] = {k: 0.0 for k in [*servers.procs, *("engine:" + t for t in targets),
+                                                       *("client:" + t for t in targets), "bridle loop"]
+                                      if k != "engine"}
+        self.cpu_n: dict[str, int] = {k: 0 for k in self.cpu}
+        self.phases = {"render_seconds": 0.0, "calls": 0, "pre_s": 0.0, "engine_s": 0.0, "post_s": 0.0}
+
+    def add_cpu(self, key: str, seconds: float, requests: int) -> None:
+        self.cpu[key] += seconds
+        self.cpu_n[key] += requests
+
+    def add_phases(self, before: dict[str, float], after: dict[str, float]) -> None:
+        for k in self.phases:
+            self.phases[k] += after[k] - before[k]
+
+    def add_result(self, target: str, r: dict[str, Any]) -> None:
+        p = self.pooled[target]
+        p["lat"] += r["latencies"]
+        p["wall"] += r["wall"]
+        p["n"] += len(r["latencies"])
+        p["errors"] += r["errors"]
+
+    def row(self) -> dict[str, Any]:
+        cpu, cpu_n = self.cpu, self.cpu_n
+        row: dict[str, Any] = {"level": self.level,
+                               "cpu_ms": {k: 1e3 * cpu[k] / cpu_n[k] if cpu_n[k] else float("nan") for k in cpu}}
+        for t, p in self.pooled.items():
+            row[t] = {"p50": pct(p["lat"], 50) * 1e3, "p99": pct(p["lat"], 99) * 1e3,
+                      "rps": p["n"] / p["wall"] if p["wall"] else float("nan"), "n": p["n"], "errors": p["errors"]}
+        c = self.phases["calls"] or float("nan")
+        row["render_ms"] = self.phases["render_seconds"] / c * 1e3
+        row["phases_ms"] = {k: self.phases[k] / c * 1e3 for k in ("pre_s", "engine_s", "post_s")}
+        return row
+
+
+def measure_target(args: argparse.Namespace, servers: Servers, prompt_file: Path, tally: LevelTally, target: str,
+                   requests: int, rnd: int) -> None:
+    """One client run of ``requests`` against ``target``, with the CPU the servers spent on it."""
+    level, procs, pid = tally.level, servers.procs, servers.bridle_ready["pid"]
+    url, tok = servers.targets[target]
+    if target == "bridle":
+        before = servers.bridle_stats()
+    cpu0 = servers.cpu_seconds()
+    loop0 = main_thread_cpu_seconds(pid) if target == "bridle" else 0.0
+    r = run_level(url, tok, prompt_file, level, requests, f"{level}-{target}-{rnd}", args.max_tokens, args.turns)
+    cpu1 = servers.cpu_seconds()
+    done = r["errors"] + len(r["latencies"]) + warmup_requests(level, args.turns)  # warm-up counts
+    if target == "bridle":
+        tally.add_cpu("bridle loop", main_thread_cpu_seconds(pid) - loop0, done)
+    # CPU per request of the server in the path: the proxy for bridle/LiteLLM, the engine always
+    if target in procs:
+        tally.add_cpu(target, cpu1[target] - cpu0[target], done)
+    tally.add_cpu("engine:" + target, cpu1["engine"] - cpu0["engine"], done)
+    tally.add_cpu("client:" + target, r["cpu"], len(r["latencies"]))
+    if target == "bridle":
+        tally.add_phases(before, servers.bridle_stats())
+    tally.add_result(target, r)
+    if r["errors"]:
+        print(f"  {target} @ {level}: {r['errors']} errors, e.g. {r['first_errors'][:2]}", flush=True)
+
+
+def measure_level(args: argparse.Namespace, servers: Servers, prompt_file: Path, level: int) -> dict[str, Any]:
+    """A level's table row: ``args.rounds`` rounds over every target, in alternating order (spreads drift)."""
+    n = max(args.requests, 4 * level)
+    per_round = max(level, n // args.rounds)
+    tally = LevelTally(level, servers)
+    for rnd in range(args.rounds):
+        order = list(servers.targets) if rnd % 2 == 0 else list(reversed(servers.targets))
+        for t in order:
+            measure_target(args, servers, prompt_file, tally, t, per_round, rnd)
+    row = tally.row()
+    print(f"  level {level}: " + ", ".join(
+        f"{t} p50 {row[t]['p50']:.2f} ms p99 {row[t]['p99']:.2f} ms {row[t]['rps']:.0f} req/s"
+        for t in tally.pooled), flush=True)
+    return row
 
 
 def bench(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT))
     from pipeline.tokens.tokenizer import QwenTokenizer
 
     ids = QwenTokenizer().encode("OK<|im_end|>")
     prompt, n_prompt = build_prompt(args.prompt_tokens)
-    workload = f"{n_prompt}-token prompts"
-    if args.turns > 1:
-        from pipeline.tokens.conversation import from_chat
-        from pipeline.tokens.render import qwen3_renderer
-
-        n_last = len(qwen3_renderer().render_ids(from_chat(chat_body(prompt, "0-x-0-0", 16, args.turns - 1))))
-        workload = (f"conversations of {args.turns} calls, prompts of {n_prompt}-{n_last} tokens (each call resends "
-                    "the history plus a short message)")
+    workload = describe_workload(prompt, n_prompt, args.turns)
     render_offline = offline_render_ms(prompt)
     litellm_bin, litellm_why = find_litellm("none" if args.no_litellm else args.litellm)
 
@@ -477,100 +492,13 @@ def bench(args: argparse.Namespace) -> int:
     prompt_file.write_text(prompt)
     children: list[Child] = []
     try:
-        engine = Child("engine", [sys.executable, str(ROOT / "benchmarks" / "_zero_engine.py"),
-                                  "--ids", *map(str, ids), "--text", "OK", "--tokenize"], log_dir=tmp)
-        children.append(engine)
-        engine_url = engine.wait_line("ENGINE-READY ", 60)
-
-        serve_cmd = [sys.executable, str(HERE), "--serve-bridle", "0", engine_url, "--rollouts", str(max(args.levels))]
-        if args.render_thread_chars is not None:
-            serve_cmd += ["--render-thread-chars", str(args.render_thread_chars)]
-        if args.py_spy:
-            spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-            serve_cmd = [spy, "record", "--nonblocking", "--rate", "1000", "-o", args.py_spy, "--format",
-                         "speedscope" if args.py_spy.endswith(".json") else "flamegraph", "--", *serve_cmd]
-        bridle = Child("bridle", serve_cmd, stdin=True, log_dir=tmp)
-        children.append(bridle)
-        ready = json.loads(bridle.wait_line("BRIDLE-READY ", 120))
-        bridle_tokens = tmp / "bridle_tokens.json"
-        bridle_tokens.write_text(json.dumps(ready["tokens"]))
-
-        targets: dict[str, tuple[str, str]] = {
-            "direct": (engine_url + "/v1/chat/completions", "-"),
-            "direct_tok": (engine_url + "/tokenize/v1/chat/completions", "-"),
-            "bridle": (ready["base_url"] + "/v1/chat/completions", str(bridle_tokens)),
-        }
-        if litellm_bin:
-            try:
-                lchild, lurl, key = start_litellm(litellm_bin, engine_url, tmp)
-                children.append(lchild)
-                (tmp / "litellm_tokens.json").write_text(json.dumps([key]))
-                targets["litellm"] = (lurl + "/v1/chat/completions", str(tmp / "litellm_tokens.json"))
-            except RuntimeError as e:
-                litellm_why = f"LiteLLM proxy failed to start: {e}"
-        print(f"prompt: {n_prompt} tokens rendered; answer ids {ids}; engine {engine_url}; "
-              f"bridle {ready['base_url']}; LiteLLM {targets.get('litellm', ('-',))[0] if 'litellm' in targets else litellm_why}",
+        servers, litellm_failed = start_servers(args, ids, litellm_bin, tmp, children)
+        litellm_why = litellm_failed or litellm_why
+        targets = servers.targets
+        print(f"prompt: {n_prompt} tokens rendered; answer ids {ids}; engine {servers.engine_url}; "
+              f"bridle {servers.bridle_ready['base_url']}; LiteLLM {targets['litellm'][0] if 'litellm' in targets else litellm_why}",
               flush=True)
-
-        procs = {"engine": engine, "bridle": bridle, **({"litellm": children[-1]} if "litellm" in targets else {})}
-        rows = []
-        for level in args.levels:
-            n = max(args.requests, 4 * level)
-            per_round = max(level, n // args.rounds)
-            pooled: dict[str, dict[str, Any]] = {t: {"lat": [], "wall": 0.0, "n": 0, "errors": 0} for t in targets}
-            cpu: dict[str, float] = {k: 0.0 for k in [*procs, *("engine:" + t for t in targets),
-                                                      *("client:" + t for t in targets), "bridle loop"]
-                                     if k != "engine"}
-            cpu_n: dict[str, int] = {k: 0 for k in cpu}
-            phases = {"render_seconds": 0.0, "calls": 0, "pre_s": 0.0, "engine_s": 0.0, "post_s": 0.0}
-            for rnd in range(args.rounds):
-                order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
-                for t in order:
-                    url, tok = targets[t]
-                    if t == "bridle":
-                        bridle.send("stats")
-                        before = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
-                    cpu0 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
-                    loop0 = main_thread_cpu_seconds(ready["pid"]) if t == "bridle" else 0.0
-                    r = run_level(url, tok, prompt_file, level, per_round, f"{level}-{t}-{rnd}", args.max_tokens,
-                                  args.turns)
-                    cpu1 = {k: tree_cpu_seconds(c.proc.pid) for k, c in procs.items()}
-                    done = r["errors"] + len(r["latencies"]) + warmup_requests(level, args.turns)  # warm-up counts
-                    if t == "bridle":
-                        cpu["bridle loop"] += main_thread_cpu_seconds(ready["pid"]) - loop0
-                        cpu_n["bridle loop"] += done
-                    # CPU per request of the server in the path: the proxy for bridle/LiteLLM, the engine always
-                    if t in procs:
-                        cpu[t] += cpu1[t] - cpu0[t]
-                        cpu_n[t] += done
-                    cpu["engine:" + t] += cpu1["engine"] - cpu0["engine"]
-                    cpu_n["engine:" + t] += done
-                    cpu["client:" + t] += r["cpu"]
-                    cpu_n["client:" + t] += len(r["latencies"])
-                    if t == "bridle":
-                        bridle.send("stats")
-                        after = json.loads(bridle.wait_line("BRIDLE-STATS ", 30))
-                        for k in phases:
-                            phases[k] += after[k] - before[k]
-                    p = pooled[t]
-                    p["lat"] += r["latencies"]
-                    p["wall"] += r["wall"]
-                    p["n"] += len(r["latencies"])
-                    p["errors"] += r["errors"]
-                    if r["errors"]:
-                        print(f"  {t} @ {level}: {r['errors']} errors, e.g. {r['first_errors'][:2]}", flush=True)
-            row: dict[str, Any] = {"level": level,
-                                   "cpu_ms": {k: 1e3 * cpu[k] / cpu_n[k] if cpu_n[k] else float("nan") for k in cpu}}
-            for t, p in pooled.items():
-                row[t] = {"p50": pct(p["lat"], 50) * 1e3, "p99": pct(p["lat"], 99) * 1e3,
-                          "rps": p["n"] / p["wall"] if p["wall"] else float("nan"), "n": p["n"], "errors": p["errors"]}
-            c = phases["calls"] or float("nan")
-            row["render_ms"] = phases["render_seconds"] / c * 1e3
-            row["phases_ms"] = {k: phases[k] / c * 1e3 for k in ("pre_s", "engine_s", "post_s")}
-            rows.append(row)
-            print(f"  level {level}: " + ", ".join(
-                f"{t} p50 {row[t]['p50']:.2f} ms p99 {row[t]['p99']:.2f} ms {row[t]['rps']:.0f} req/s"
-                for t in pooled), flush=True)
+        rows = [measure_level(args, servers, prompt_file, level) for level in args.levels]
     except BaseException:
         print(f"benchmark failed; child logs kept in {tmp}", file=sys.stderr)
         raise
@@ -580,96 +508,9 @@ def bench(args: argparse.Namespace) -> int:
         for c in reversed(children):
             c.stop()
 
-    def added(row: dict[str, Any], t: str, q: str) -> float | None:
-        return row[t][q] - row["direct"][q] if t in row else None
-
-    def share(row: dict[str, Any], t: str, base: str = "direct") -> float | None:
-        return 100 * row[t]["rps"] / row[base]["rps"] if t in row else None
-
-    def added_tok(row: dict[str, Any], q: str = "p50") -> float:
-        return row["bridle"][q] - row["direct_tok"][q]
-
-    head = ["clients", "direct p50 ms", "direct req/s", "bridle +p50 ms", "bridle +p99 ms", "LiteLLM +p50 ms",
-            "LiteLLM +p99 ms", "bridle % direct", "LiteLLM % direct", "render ms/call"]
-    table = [[str(r["level"]), fmt(r["direct"]["p50"], 2), fmt(r["direct"]["rps"], 0), fmt(added(r, "bridle", "p50"), 2),
-              fmt(added(r, "bridle", "p99"), 2), fmt(added(r, "litellm", "p50"), 2), fmt(added(r, "litellm", "p99"), 2),
-              fmt(share(r, "bridle"), 1), fmt(share(r, "litellm"), 1), fmt(r["render_ms"], 2)] for r in rows]
-    print()
-    print(f"Proxy overhead, {workload}, streaming chat completions, zero-latency engine "
-          f"(offline Splicer.render: {render_offline:.2f} ms/call; {os.cpu_count()} CPUs); direct: the engine only "
-          "parses the JSON")
-    print_table(head, table)
-    if "litellm" not in targets:
-        print(f"LiteLLM: {litellm_why}")
-    print()
-    print("Against the stricter baseline, direct+tokenize (the engine's chat endpoint renders and tokenizes the "
-          "prompt, as a real one does; bridle does that work itself and sends ids):")
-    head3 = ["clients", "direct+tok p50 ms", "direct+tok req/s", "bridle +p50 ms", "bridle +p99 ms",
-             "bridle % direct+tok"]
-    table3 = [[str(r["level"]), fmt(r["direct_tok"]["p50"], 2), fmt(r["direct_tok"]["rps"], 0), fmt(added_tok(r), 2),
-               fmt(added_tok(r, "p99"), 2), fmt(share(r, "bridle", "direct_tok"), 1)] for r in rows]
-    print_table(head3, table3)
-    print()
-    print("Where the time goes (ms per request). CPU = the server process's user+system time / requests (robust to "
-          "a busy machine); bridle phases from ModelCall.timings (wall time inside the proxy).")
-    head2 = ["clients", "engine CPU direct", "engine CPU direct+tok", "engine CPU via bridle", "bridle CPU",
-             "bridle loop CPU", "LiteLLM CPU", "bridle before engine", "bridle engine wait", "bridle after engine"]
-    table2 = [[str(r["level"]), fmt(r["cpu_ms"].get("engine:direct"), 2), fmt(r["cpu_ms"].get("engine:direct_tok"), 2),
-               fmt(r["cpu_ms"].get("engine:bridle"), 2), fmt(r["cpu_ms"].get("bridle"), 2),
-               fmt(r["cpu_ms"].get("bridle loop"), 2), fmt(r["cpu_ms"].get("litellm"), 2),
-               fmt(r["phases_ms"]["pre_s"], 2), fmt(r["phases_ms"]["engine_s"], 2), fmt(r["phases_ms"]["post_s"], 2)]
-              for r in rows]
-    print_table(head2, table2)
-
-    n_cores = cores()
-    if any(r["level"] >= 16 for r in rows):
-        print()
-        print(f"Throughput model: a path's CPU per request (client + engine + proxy, each one process on one event loop) "
-              f"bounds it at min({n_cores} cores / sum, 1 core / largest). 'render-only proxy' is any proxy that sends "
-              "token ids and does nothing else (its only CPU: bridle's render time, offline or in the run, whichever is "
-              "smaller): the ceiling on this machine. "
-              "'a core each' drops the machine limit (one core per process). Levels of 16+ clients only: one client "
-              "leaves the processes waiting on each other, and latency, not CPU, sets its rate.")
-        head4 = ["clients", "path", "CPU ms/req (client+engine+proxy[+threads])", "measured req/s",
-                 f"model req/s ({n_cores} cores)", "model % direct", "a core each: % direct"]
-        table4 = []
-        for r in rows:
-            if r["level"] < 16:
-                continue
-            # render CPU per call: the offline time (a fresh conversation, quiet) or the in-run mean (wall time,
-            # lower when calls extend earlier ones), whichever is smaller
-            model = throughput_model(r, min(render_offline, r["render_ms"]))
-            d_here, d_each = bound_rps(model[0][1], n_cores), bound_rps(model[0][1], 10**6)
-            r["model"] = {}
-            for path, parts, measured in model:
-                here, each = bound_rps(parts, n_cores), bound_rps(parts, 10**6)
-                r["model"][path] = {"cpu_ms": parts, "rps": here, "pct_direct": 100 * here / d_here,
-                                    "pct_direct_core_each": 100 * each / d_each}
-                table4.append([str(r["level"]), path, " + ".join(fmt(x, 2) for x in parts) + f" = {fmt(sum(parts), 2)}",
-                               fmt(measured, 0) if measured is not None else "-", fmt(here, 0),
-                               fmt(100 * here / d_here, 1), fmt(100 * each / d_each, 1)])
-        print_table(head4, table4)
-
-    verdicts = []
-    by_level = {r["level"]: r for r in rows}
-    if 1 in by_level:
-        a = added(by_level[1], "bridle", "p50")
-        ex = a - by_level[1]["render_ms"] if a is not None else None
-        verdicts.append(f"1 client: bridle adds {fmt(ex, 2)} ms p50 excluding rendering "
-                        f"({fmt(a, 2)} ms with it) — goal <= 1 ms: {'met' if ex is not None and ex <= 1.0 else 'MISSED'}")
-        at = added_tok(by_level[1])
-        verdicts.append(f"1 client vs direct+tokenize (both render): bridle adds {fmt(at, 2)} ms p50 — "
-                        f"<= 1 ms: {'met' if at <= 1.0 else 'MISSED'}")
-    if 64 in by_level:
-        s = share(by_level[64], "bridle")
-        ceiling = by_level[64]["model"]["render-only proxy"]["pct_direct"]  # nan when a CPU reading is missing
-        verdicts.append(f"64 clients: bridle keeps {fmt(s, 1)} % of direct throughput — goal >= 40 %: "
-                        f"{'met' if s is not None and s >= 40 else 'MISSED'} (ceiling here for a proxy that only "
-                        f"renders and tokenizes: {fmt(ceiling, 1)} %{', so even such a proxy would miss the goal in this run' if ceiling < 40 else ''})")
-        st = share(by_level[64], "bridle", "direct_tok")
-        verdicts.append(f"64 clients vs direct+tokenize: bridle keeps {fmt(st, 1)} % of its throughput — "
-                        f">= 40 %: {'met' if st is not None and st >= 40 else 'MISSED'}")
-    for v in verdicts:
+    print_overhead(rows, workload, render_offline, None if "litellm" in targets else litellm_why)
+    print_throughput_model(rows, render_offline)
+    for v in verdicts(rows):
         print(v)
     if args.json:
         Path(args.json).write_text(json.dumps({"prompt_tokens": n_prompt, "turns": args.turns, "render_offline_ms": render_offline,

@@ -27,8 +27,7 @@ import time
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the checkout's pipeline: imported in the functions, after this
+from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
 
 MARGIN = 0.05
 
@@ -65,7 +64,6 @@ def paired_se(run_dir: Path, steps: int) -> tuple[float | None, str]:
 
 
 def main() -> int:
-    from _quickstart import run_quickstart  # benchmarks/ is sys.path[0] when run as a script
 
     from pipeline.monitor.metrics import load_metrics, of_kind
 

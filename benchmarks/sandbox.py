@@ -14,26 +14,27 @@ Docker needs the images (``python -m pipeline.rollout.images``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import msgspec
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend
 from pipeline.rollout.sandbox.local import MARKER_ID, MARKER_RUN
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import Task, materialize
-from tests.helpers.proxyutil import running_proxy
+from pipeline.serving.proxy import Proxy, ProxySettings
+from pipeline.serving.scripted import Script, ScriptedEngine
+from pipeline.tokens.render import qwen3_renderer
 
 
 def mem_available() -> int:
@@ -96,6 +97,23 @@ def req(i: int, task: Task, timeout_s: float) -> RolloutRequest:
                           harness="oracle", token="t", policy_version=0, timeout_s=timeout_s)
 
 
+@contextlib.asynccontextmanager
+async def scripted_proxy(sock: Path) -> AsyncIterator[Proxy]:
+    """A proxy over the scripted engine, also on ``sock``: every sandbox is given one to reach (the oracle harness
+    runs the task's solve.sh and never calls the model)."""
+    renderer = qwen3_renderer()
+
+    async def drop(_record: object) -> None:
+        pass
+
+    proxy = Proxy(ScriptedEngine(renderer, Script()), renderer, drop, ProxySettings(unix_socket=str(sock)))
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
 async def bench(kind: str, samples: int, concurrent: int, tmp: Path) -> dict:
     sock = tmp / f"{kind}.sock"
     backend = LocalBackend() if kind == "local" else DockerBackend(DockerSettings(cpus=0.5, memory="256m"))
@@ -103,7 +121,7 @@ async def bench(kind: str, samples: int, concurrent: int, tmp: Path) -> dict:
     quick = task_with(tmp, f"{kind}-quick", "exit 0")
     idle = task_with(tmp, f"{kind}-idle", "sleep 600")
     row: dict = {"backend": kind}
-    async with running_proxy(unix_socket=str(sock)) as (proxy, _, _):
+    async with scripted_proxy(sock) as proxy:
         ready, total = [], []
         for i in range(samples):
             t0 = time.time()

@@ -17,13 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.tokens.conversation import Conversation, Message, Tool, ToolCall
 from pipeline.tokens.render import HFTemplateRenderer, Renderer, qwen3_renderer

@@ -13,13 +13,9 @@ the work a builder without a tree would face. The goal: linear in total tokens, 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.messages import (
     ModelCall,

@@ -225,15 +225,7 @@ def load_experiment(
 ) -> Experiment:
     """Read, override and validate an experiment. ``resolve(kind)`` returns the actor class of a kind."""
     overrides = list(overrides or [])
-    if isinstance(name_or_path, dict):
-        source, raw = "<dict>", dict(name_or_path)
-    else:
-        path = resolve_experiment_path(str(name_or_path))
-        source = str(path)
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    source, raw = _read_experiment(name_or_path)
     try:
         notes = legacy.migrate(raw, source)  # before overrides: --set run.x=... also works on an old file
         raw = apply_overrides(raw, overrides)
@@ -243,40 +235,62 @@ def load_experiment(
     exp = _decode(source, "experiment", raw.pop("experiment", {}), ExperimentSection, overrides)
     run = _decode(source, "run", raw.pop("run", {}), RunSection, overrides)
     graph = _decode(source, "graph", raw.pop("graph", {}), GraphSection, overrides)
+    _check_graph(source, graph, actor_sections=list(raw))
+    sections = {name: _decode_actor_section(source, graph, name, kind, raw.get(name, {}), resolve, overrides)
+                for name, kind in graph.actors.items()}
+    out = Experiment(source=source, experiment=exp, graph=graph, sections=sections, overrides=overrides, run=run,
+                     notes=notes)
+    for name, sec in sections.items():
+        sec.check(name, out)
+    return out
+
+
+def _read_experiment(name_or_path: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(source, the raw tables): a dict as given, else the TOML file the name or path resolves to."""
+    if isinstance(name_or_path, dict):
+        return "<dict>", dict(name_or_path)
+    path = resolve_experiment_path(str(name_or_path))
+    try:
+        return str(path), tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def _check_graph(source: str, graph: GraphSection, actor_sections: list[str]) -> None:
+    """Every actor the edges and stop_after name exists, and every remaining section belongs to an actor."""
     if not graph.actors:
         raise ConfigError(f"{source}: [graph].actors is empty; name at least one actor, e.g. actors = {{ a = \"kind\" }}")
     names = set(graph.actors)
-    for src, out, dst in graph.parsed_edges():
+    for src, _out, dst in graph.parsed_edges():
         for n in (src, dst):
             if n not in names:
                 raise ConfigError(f"{source}: [graph].edges names actor \"{n}\", which is not in [graph].actors")
     for n in graph.stop_after:
         if n not in names:
             raise ConfigError(f"{source}: [graph].stop_after names actor \"{n}\", which is not in [graph].actors")
-    for name in list(raw):
+    for name in actor_sections:
         if name not in names:
             raise ConfigError(
                 f"{source}: unknown section [{name}]; sections are [experiment], [graph], [run] and one per actor "
                 f"in [graph].actors ({', '.join(sorted(names))})"
             )
-    sections: dict[str, Section] = {}
-    for name, kind in graph.actors.items():
-        try:
-            cls = resolve(kind)
-        except (KeyError, ImportError, AttributeError, TypeError) as e:
-            raise ConfigError(f"{source}: [graph].actors.{name}: unknown actor kind \"{kind}\" ({e})") from None
-        sections[name] = _decode(source, name, raw.get(name, {}), cls.Config, overrides)
-        for src, out, dst in graph.parsed_edges():
-            if src == name and out not in cls.outputs:
-                raise ConfigError(
-                    f"{source}: [graph].edges: actor \"{name}\" ({kind}) has no output \"{out}\"; "
-                    f"its outputs are {', '.join(cls.outputs) or 'none'}"
-                )
-    out = Experiment(source=source, experiment=exp, graph=graph, sections=sections, overrides=overrides, run=run,
-                     notes=notes)
-    for name, sec in sections.items():
-        sec.check(name, out)
-    return out
+
+
+def _decode_actor_section(source: str, graph: GraphSection, name: str, kind: str, raw: Any,
+                          resolve: Callable[[str], type], overrides: list[str]) -> Section:
+    """Actor ``name``'s section, decoded with its kind's Config; its outgoing edges must name its outputs."""
+    try:
+        cls = resolve(kind)
+    except (KeyError, ImportError, AttributeError, TypeError) as e:
+        raise ConfigError(f"{source}: [graph].actors.{name}: unknown actor kind \"{kind}\" ({e})") from None
+    section = _decode(source, name, raw, cls.Config, overrides)
+    for src, out, _dst in graph.parsed_edges():
+        if src == name and out not in cls.outputs:
+            raise ConfigError(
+                f"{source}: [graph].edges: actor \"{name}\" ({kind}) has no output \"{out}\"; "
+                f"its outputs are {', '.join(cls.outputs) or 'none'}"
+            )
+    return section
 
 
 @dataclass

@@ -85,9 +85,9 @@ class EventLogWriter:
         if reader.version == 1:
             raise EventLogError(f"{reader.path}: a schema-1 log (bridle before the per-frame checksums) cannot be "
                                 "appended to; replay it, or start a new run")
-        end = reader.start_offset
-        for end, _ev in reader.iter_with_offsets():
-            pass
+        end = reader.start_offset  # then the end of the last whole frame: reading stops before a cut one
+        for off, _ev in reader.iter_with_offsets():
+            end = off
         self = cls.__new__(cls)
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_WRONLY)
@@ -231,7 +231,7 @@ class EventLogReader:
         try:
             self._data = self.path.read_bytes()
         except FileNotFoundError:
-            raise EventLogError(f"{self.path}: no such event log; pass the events.msgpack of a run directory")
+            raise EventLogError(f"{self.path}: no such event log; pass the events.msgpack of a run directory") from None
         if self._data.startswith(MAGIC):
             self.version = 2
         elif self._data.startswith(MAGIC_V1):

@@ -46,6 +46,7 @@ from pipeline.messages import (
 from pipeline.serving.engine import Engine, EngineBadRequest, EngineError, GenerateResult, Sampling
 from pipeline.serving.labels import detect_label
 from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse
+from pipeline.serving.streaming import finish_stream, watch_engine
 from pipeline.serving.wire import PROTOCOLS, ErrorKind, Protocol, Reply, StreamState
 from pipeline.tokens.conversation import (
     Conversation,
@@ -386,7 +387,9 @@ class Proxy:
         # within the first watch tick, and a task group + event + cancel scope per call cost more than the rest of
         # the waiting.
         task = asyncio.get_running_loop().create_task(_run_engine(engine, input_ids, sampling, rid))
-        resp, disconnected = await self._watch_engine(call, task, engine, rid)
+        resp, disconnected = await watch_engine(call.request, call.proto, call.sstate, call.stream, task, engine, rid,
+                                                stream_head_s=self.settings.stream_head_s,
+                                                keepalive_s=self.settings.keepalive_s)
         engine_end = time.time()
         # a stream whose head was not sent yet gets it in the same write as the rest (built first: Responses numbers
         # its events in order)
@@ -417,8 +420,7 @@ class Proxy:
                       conv=call.conv)
         if call.stream:
             try:
-                answer = await self._finish_stream(call.request, resp, head, proto.stream_rest(sstate, reply),
-                                                   strict=True)
+                answer = await finish_stream(call.request, resp, head, proto.stream_rest(sstate, reply), strict=True)
             except (ConnectionError, RuntimeError):
                 # The harness never saw this answer, so it is no part of its trajectory: not a trainable call.
                 self.log.bind(**call.ctx).info("client disconnected before the answer was delivered")
@@ -453,76 +455,8 @@ class Proxy:
         """Record the call as failed (``reason``) and tell the client ``message``: an error event on a stream."""
         await self._fail(call, reason)
         if call.stream:
-            return await self._finish_stream(call.request, resp, head,
-                                             call.proto.stream_error(call.sstate, kind, message))
+            return await finish_stream(call.request, resp, head, call.proto.stream_error(call.sstate, kind, message))
         return self._error(call.proto, kind, message)
-
-    async def _watch_engine(
-        self, call: _Call, task: asyncio.Task, engine: Engine, rid: str
-    ) -> tuple[web.StreamResponse | None, bool]:
-        """Wait for the engine ``task``, watching the connection every tick: a dropped client aborts the engine
-        request. Streams send their head only when the engine has not answered within stream_head_s (so a quick
-        answer goes out as one write: head, events and end together), then a protocol keep-alive every
-        keepalive_s. Returns (the stream whose head was sent, or None; whether the client disconnected); the
-        task is done on return."""
-        request, proto, sstate, stream = call.request, call.proto, call.sstate, call.stream
-        loop = asyncio.get_running_loop()
-        resp: web.StreamResponse | None = None
-        keepalive_s = self.settings.keepalive_s
-        tick = min(0.5, keepalive_s)
-        next_keepalive = loop.time() + keepalive_s
-        wait_s = self.settings.stream_head_s if stream else tick
-        try:
-            while not task.done():
-                if wait_s > 0:
-                    await asyncio.wait((task,), timeout=wait_s)
-                    if task.done():
-                        break
-                wait_s = tick
-                gone = request.transport is None or request.transport.is_closing()
-                if not gone and stream:
-                    try:
-                        if resp is None:
-                            resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-                            await resp.prepare(request)
-                            await resp.write(proto.stream_open(sstate))
-                        if loop.time() >= next_keepalive:
-                            next_keepalive = loop.time() + keepalive_s
-                            await resp.write(proto.keepalive(sstate))
-                    except (ConnectionError, RuntimeError):
-                        gone = True
-                if gone:
-                    with anyio.move_on_after(10):
-                        await engine.abort(rid)
-                    return resp, True
-        finally:
-            if not task.done():  # the client left, or this handler was cancelled (server shutdown)
-                task.cancel()
-                await asyncio.wait((task,))
-        return resp, False
-
-    @staticmethod
-    async def _finish_stream(request: web.Request, resp: web.StreamResponse | None, head: bytes, rest: bytes, *,
-                             strict: bool = False) -> web.StreamResponse:
-        """Send the rest of a stream and end it, in one write: with the status line and head when the head was
-        not sent yet (then as a body with a length instead of chunks: the same bytes to SSE clients).
-
-        ``strict`` lets a write failure (the client left) raise; otherwise it is ignored, since there is nothing
-        left to tell that client."""
-        try:
-            if resp is None:
-                resp = web.Response(status=200, headers=_SSE_HEADERS, body=head + rest)
-                await resp.prepare(request)  # a Response holds its headers back until the body is written
-                await resp.write_eof()
-            else:
-                await resp.write_eof(rest)
-        except (ConnectionError, RuntimeError):
-            if strict:
-                raise
-        return resp
-
-
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
 def _timed_tokenize(splicer: Splicer, plan: RenderPlan) -> tuple[RenderResult, float]:

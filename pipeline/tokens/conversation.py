@@ -287,79 +287,73 @@ def from_anthropic(body: dict[str, Any]) -> Conversation:
             text, images = _text_parts(content, f"{where}.content", ("text",))
             msgs.append(Message(role="system", content=text, images=images))
         elif role == "user":
-            if isinstance(content, str):
-                msgs.append(Message(role="user", content=content))
-                continue
-            rest: list[Any] = []
-            for j, block in enumerate(_list(content, f"{where}.content")):
-                b = _obj(block, f"{where}.content[{j}]")
-                if b.get("type") == "tool_result":
-                    text, images = _text_parts(b.get("content"), f"{where}.content[{j}].content", ("text",))
-                    msgs.append(
-                        Message(
-                            role="tool",
-                            content=text,
-                            tool_call_id=str(b.get("tool_use_id") or ""),
-                            is_error=bool(b.get("is_error", False)),
-                            images=images,
-                        )
-                    )
-                else:
-                    rest.append(b)
-            if rest:
-                text, images = _text_parts(rest, f"{where}.content", ("text",))
-                msgs.append(Message(role="user", content=text, images=images))
+            msgs += _anthropic_user(content, where)
         elif role == "assistant":
-            if isinstance(content, str):
-                msgs.append(Message(role="assistant", content=content))
-                continue
-            texts: list[str] = []
-            thinking: list[str] = []
-            calls: list[ToolCall] = []
-            for j, block in enumerate(_list(content, f"{where}.content")):
-                bw = f"{where}.content[{j}]"
-                b = _obj(block, bw)
-                kind = b.get("type")
-                if kind == "text":
-                    texts.append(_str(b.get("text", ""), f"{bw}.text"))
-                elif kind == "thinking":
-                    thinking.append(_str(b.get("thinking", ""), f"{bw}.thinking"))
-                elif kind == "tool_use":
-                    calls.append(
-                        ToolCall(
-                            id=str(b.get("id") or ""),
-                            name=_str(b.get("name"), f"{bw}.name"),
-                            arguments=_args(b.get("input")),
-                        )
-                    )
-                # redacted_thinking and server-side tool blocks carry nothing the policy produced here
-            msgs.append(
-                Message(
-                    role="assistant", content="\n".join(texts), thinking="\n".join(thinking), tool_calls=calls
-                )
-            )
+            msgs.append(_anthropic_assistant(content, where))
         else:
             raise ConversionError(f"{where}.role: unknown role {role!r} (user/assistant/system)")
     _name_calls(msgs)
-    tools = []
-    for i, t in enumerate(body.get("tools") or []):
-        t = _obj(t, f"tools[{i}]")
-        if "input_schema" not in t:
-            continue  # server tools (web_search_2025…, bash_2025…) are Anthropic-hosted, not ours to call
-        tools.append(
-            Tool(
-                name=_str(t.get("name"), f"tools[{i}].name"),
-                description=str(t.get("description") or ""),
-                parameters=t.get("input_schema") or {},
-            )
-        )
     return Conversation(
         messages=msgs,
-        tools=tools,
+        tools=_anthropic_tools(body.get("tools")),
         sampling=_sampling(body, ("max_tokens",), "stop_sequences"),
         model=str(body.get("model") or ""),
         protocol="anthropic",
     )
+
+
+def _anthropic_user(content: Any, where: str) -> list[Message]:
+    """A user message: its tool_result blocks as tool messages, then the rest of it as one user message."""
+    if isinstance(content, str):
+        return [Message(role="user", content=content)]
+    msgs: list[Message] = []
+    rest: list[Any] = []
+    for j, block in enumerate(_list(content, f"{where}.content")):
+        b = _obj(block, f"{where}.content[{j}]")
+        if b.get("type") == "tool_result":
+            text, images = _text_parts(b.get("content"), f"{where}.content[{j}].content", ("text",))
+            msgs.append(Message(role="tool", content=text, tool_call_id=str(b.get("tool_use_id") or ""),
+                                is_error=bool(b.get("is_error", False)), images=images))
+        else:
+            rest.append(b)
+    if rest:
+        text, images = _text_parts(rest, f"{where}.content", ("text",))
+        msgs.append(Message(role="user", content=text, images=images))
+    return msgs
+
+
+def _anthropic_assistant(content: Any, where: str) -> Message:
+    """An assistant message: its text, thinking and tool_use blocks."""
+    if isinstance(content, str):
+        return Message(role="assistant", content=content)
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[ToolCall] = []
+    for j, block in enumerate(_list(content, f"{where}.content")):
+        bw = f"{where}.content[{j}]"
+        b = _obj(block, bw)
+        kind = b.get("type")
+        if kind == "text":
+            texts.append(_str(b.get("text", ""), f"{bw}.text"))
+        elif kind == "thinking":
+            thinking.append(_str(b.get("thinking", ""), f"{bw}.thinking"))
+        elif kind == "tool_use":
+            calls.append(ToolCall(id=str(b.get("id") or ""), name=_str(b.get("name"), f"{bw}.name"),
+                                  arguments=_args(b.get("input"))))
+        # redacted_thinking and server-side tool blocks carry nothing the policy produced here
+    return Message(role="assistant", content="\n".join(texts), thinking="\n".join(thinking), tool_calls=calls)
+
+
+def _anthropic_tools(raw: Any) -> list[Tool]:
+    tools = []
+    for i, t in enumerate(raw or []):
+        t = _obj(t, f"tools[{i}]")
+        if "input_schema" not in t:
+            continue  # server tools (web_search_2025…, bash_2025…) are Anthropic-hosted, not ours to call
+        name = _str(t.get("name"), f"tools[{i}].name")
+        tools.append(Tool(name=name, description=str(t.get("description") or ""),
+                          parameters=t.get("input_schema") or {}))
+    return tools
 
 
 # ---------------------------------------------------------------------------------------- responses
@@ -423,79 +417,23 @@ def from_responses(body: dict[str, Any]) -> Conversation:
     items = body.get("input")
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
-    cur: Message | None = None  # assistant turn being assembled
-
-    def turn() -> Message:
-        nonlocal cur
-        if cur is None:
-            cur = Message(role="assistant")
-            msgs.append(cur)
-        return cur
-
-    def close() -> None:
-        nonlocal cur
-        cur = None
-
+    turns = _Turns(msgs)
     for i, raw in enumerate(_list(items if items is not None else [], "input")):
         where = f"input[{i}]"
         it = _obj(raw, where)
         kind = it.get("type", "message" if "role" in it else None)
         if kind == "message":
-            role = it.get("role")
-            text, images = _text_parts(
-                it.get("content"), f"{where}.content", ("input_text", "output_text", "text", "summary_text")
-            )
-            if role == "assistant":
-                t = turn()
-                if t.tool_calls:
-                    close()
-                    t = turn()
-                t.content = f"{t.content}\n{text}" if t.content else text
-                t.images += images
-                continue
-            close()
-            if role in ("system", "developer"):
-                msgs.append(Message(role="system", content=text, images=images))
-            elif role == "user":
-                msgs.append(Message(role="user", content=text, images=images))
-            else:
-                raise ConversionError(
-                    f"{where}.role: unknown role {role!r} (user/assistant/system/developer)"
-                )
+            _responses_message(turns, it, where)
         elif kind == "reasoning":
-            parts = it.get("content") or it.get("summary") or []
-            text, _ = _text_parts(parts, f"{where}.content", ("reasoning_text", "summary_text", "text"))
-            if cur is not None and (cur.content or cur.tool_calls):
-                close()
-            t = turn()
-            t.thinking = f"{t.thinking}\n{text}" if t.thinking else text
-        elif kind in ("function_call", "custom_tool_call", "local_shell_call"):
+            _responses_reasoning(turns, it, where)
+        elif kind in _CALL_ITEMS:
+            call = _responses_call(it, kind, where)
+            turns.turn().tool_calls.append(call)
+        elif kind in _CALL_OUTPUT_ITEMS:
+            turns.close()
+            text, images = _text_parts(it.get("output"), f"{where}.output", _RESPONSES_TEXT)
             call_id = str(it.get("call_id") or it.get("id") or "")
-            if kind == "function_call":
-                name = _str(it.get("name"), f"{where}.name")
-                ns = it.get("namespace")
-                if ns:
-                    name = f"{_str(ns, f'{where}.namespace')}{NAMESPACE_SEP}{name}"
-                args = _args(it.get("arguments"))
-            elif kind == "custom_tool_call":
-                name = _str(it.get("name"), f"{where}.name")
-                args = {"input": _str(it.get("input", ""), f"{where}.input")}
-            else:
-                name = "local_shell"
-                args = it.get("action") or {}
-            turn().tool_calls.append(ToolCall(id=call_id, name=name, arguments=args))
-        elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
-            close()
-            out = it.get("output")
-            text, images = _text_parts(out, f"{where}.output", ("input_text", "output_text", "text"))
-            msgs.append(
-                Message(
-                    role="tool",
-                    content=text,
-                    tool_call_id=str(it.get("call_id") or it.get("id") or ""),
-                    images=images,
-                )
-            )
+            msgs.append(Message(role="tool", content=text, tool_call_id=call_id, images=images))
         elif kind is None:
             raise ConversionError(f"{where}: item has neither type nor role")
         # web_search_call, item_reference, compaction markers and other hosted items are not policy tokens
@@ -507,3 +445,75 @@ def from_responses(body: dict[str, Any]) -> Conversation:
         model=str(body.get("model") or ""),
         protocol="responses",
     )
+
+
+_RESPONSES_TEXT = ("input_text", "output_text", "text")  # the text blocks of messages and call outputs
+_CALL_ITEMS = ("function_call", "custom_tool_call", "local_shell_call")
+_CALL_OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
+
+
+class _Turns:
+    """The messages of a Responses input as they are assembled: the assistant turn being built, if any."""
+
+    def __init__(self, msgs: list[Message]) -> None:
+        self.msgs = msgs
+        self.cur: Message | None = None
+
+    def turn(self) -> Message:
+        """The assistant turn being built, started (appended) if there is none."""
+        if self.cur is None:
+            self.cur = Message(role="assistant")
+            self.msgs.append(self.cur)
+        return self.cur
+
+    def close(self) -> None:
+        self.cur = None
+
+
+def _responses_message(turns: _Turns, it: dict[str, Any], where: str) -> None:
+    """A message item: assistant text joins the current turn (a new one after calls); others stand alone."""
+    role = it.get("role")
+    text, images = _text_parts(it.get("content"), f"{where}.content", (*_RESPONSES_TEXT, "summary_text"))
+    if role == "assistant":
+        t = turns.turn()
+        if t.tool_calls:
+            turns.close()
+            t = turns.turn()
+        t.content = f"{t.content}\n{text}" if t.content else text
+        t.images += images
+        return
+    turns.close()
+    if role in ("system", "developer"):
+        turns.msgs.append(Message(role="system", content=text, images=images))
+    elif role == "user":
+        turns.msgs.append(Message(role="user", content=text, images=images))
+    else:
+        raise ConversionError(f"{where}.role: unknown role {role!r} (user/assistant/system/developer)")
+
+
+def _responses_reasoning(turns: _Turns, it: dict[str, Any], where: str) -> None:
+    """A reasoning item: the thinking of the current turn, or of the next one after its text or calls."""
+    parts = it.get("content") or it.get("summary") or []
+    text, _ = _text_parts(parts, f"{where}.content", ("reasoning_text", "summary_text", "text"))
+    if turns.cur is not None and (turns.cur.content or turns.cur.tool_calls):
+        turns.close()
+    t = turns.turn()
+    t.thinking = f"{t.thinking}\n{text}" if t.thinking else text
+
+
+def _responses_call(it: dict[str, Any], kind: str, where: str) -> ToolCall:
+    """A function, custom-tool or local-shell call item as a ToolCall (namespaced names flattened)."""
+    call_id = str(it.get("call_id") or it.get("id") or "")
+    if kind == "function_call":
+        name = _str(it.get("name"), f"{where}.name")
+        ns = it.get("namespace")
+        if ns:
+            name = f"{_str(ns, f'{where}.namespace')}{NAMESPACE_SEP}{name}"
+        args = _args(it.get("arguments"))
+    elif kind == "custom_tool_call":
+        name = _str(it.get("name"), f"{where}.name")
+        args = {"input": _str(it.get("input", ""), f"{where}.input")}
+    else:
+        name = "local_shell"
+        args = it.get("action") or {}
+    return ToolCall(id=call_id, name=name, arguments=args)

@@ -65,6 +65,26 @@ def _is_query(m: Message) -> bool:
     return m.role == "user" and not (c.startswith("<tool_response>") and c.endswith("</tool_response>"))
 
 
+def _last_query(msgs: list[Message], first: int, causal: bool) -> int:
+    """The last real user query the rendering starts from: causal, the last one before ``first`` (the message
+    loop moves it on), else the last one of the whole conversation (the official template: n - 1 if none)."""
+    if causal:
+        return next((i for i in range(first - 1, -1, -1) if _is_query(msgs[i])), -1)
+    n = len(msgs)
+    return next((i for i in range(n - 1, -1, -1) if _is_query(msgs[i])), n - 1)
+
+
+def _with_think(i: int, n: int, last_query: int, causal: bool) -> bool | None:
+    """Assistant message ``i``'s think block (Qwen3Renderer.assistant_body's ``with_think``): never before the last
+    query, always for the official template's last message, else when it has thinking."""
+    after_query = (0 <= last_query < i) if causal else (i > last_query)
+    if not after_query:
+        return False
+    if not causal and i == n - 1:
+        return True
+    return None
+
+
 class Renderer:
     """Conversation -> prompt text/ids for one tokenizer + chat template."""
 
@@ -167,6 +187,16 @@ class Qwen3Renderer(Renderer):
             out += '<tool_call>\n{"name": "' + c.name + '", "arguments": ' + args + "}\n</tool_call>"
         return out + self.eot
 
+    def _head(self, conv: Conversation) -> tuple[str, int]:
+        """The system turn (the tools header when there are tools) and the index of the first message after it."""
+        msgs = conv.messages
+        has_sys = bool(msgs) and msgs[0].role == "system"
+        if conv.tools:
+            return self.tools_header(msgs[0].content if has_sys else None, conv.tools), int(has_sys)
+        if has_sys:
+            return "<|im_start|>system\n" + msgs[0].content + "<|im_end|>\n", 1
+        return "", 0
+
     def render_text(
         self, conv: Conversation, *, start: int = 0, add_generation_prompt: bool = True, causal: bool = True
     ) -> RenderedText:
@@ -183,26 +213,10 @@ class Qwen3Renderer(Renderer):
 
         first = start
         if start == 0:
-            if conv.tools:
-                has_sys = n > 0 and msgs[0].role == "system"
-                put(self.tools_header(msgs[0].content if has_sys else None, conv.tools))
-                first = 1 if has_sys else 0
-            elif n and msgs[0].role == "system":
-                put("<|im_start|>system\n" + msgs[0].content + "<|im_end|>\n")
-                first = 1
-        # last real user query: per message (causal) or over the whole conversation (official)
-        last_query = -1
-        if causal:
-            for i in range(first - 1, -1, -1):
-                if _is_query(msgs[i]):
-                    last_query = i
-                    break
-        else:
-            last_query = n - 1
-            for i in range(n - 1, -1, -1):
-                if _is_query(msgs[i]):
-                    last_query = i
-                    break
+            head, first = self._head(conv)
+            if head:
+                put(head)
+        last_query = _last_query(msgs, first, causal)
         for i in range(first, n):
             m = msgs[i]
             prev_tool = i > 0 and msgs[i - 1].role == "tool"
@@ -213,14 +227,7 @@ class Qwen3Renderer(Renderer):
                 if causal and _is_query(m):
                     last_query = i
             elif m.role == "assistant":
-                after_query = (i > last_query) if not causal else (0 <= last_query < i)
-                is_last = (not causal) and i == n - 1
-                with_think: bool | None = None
-                if not after_query:
-                    with_think = False
-                elif is_last:
-                    with_think = True
-                body = self.assistant_body(m, with_think)
+                body = self.assistant_body(m, _with_think(i, n, last_query, causal))
                 turns.append(TurnSpan(i, size, size + len(body)))
                 put(body)
                 put("\n")

@@ -129,8 +129,5 @@ def parse_output(text: str) -> ParsedOutput:
         i = rest.find(TOOL_OPEN, pos)
     kept.append(rest[pos:])
     # the template puts a newline between the text and each call; drop those separators, keep inner text as is
-    if calls or errors:
-        out = "\n".join(p.strip("\n") for p in kept if p.strip("\n"))
-    else:
-        out = rest
+    out = "\n".join(p.strip("\n") for p in kept if p.strip("\n")) if calls or errors else rest
     return ParsedOutput(text=out, thinking=thinking, tool_calls=calls, malformed=bool(errors), errors=errors)

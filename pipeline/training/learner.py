@@ -27,7 +27,6 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -42,8 +41,8 @@ from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt
 from pipeline.core.logs import get_logger
 from pipeline.messages import TreeGroup
 from pipeline.training import advantages as adv
-from pipeline.training import losses
-from pipeline.training import tree_attention as ta
+from pipeline.training import batches, losses
+from pipeline.training.batches import MicroBatch
 
 
 def _log() -> Any:
@@ -153,31 +152,6 @@ class PolicyValue(nn.Module):
         return res
 
 
-@dataclass
-class _Tree:
-    """One group's tree with its per-target arrays (targets: trainable tokens of valid rollouts)."""
-
-    arrays: ta.TreeArrays
-    targets: np.ndarray  # indices into the tree
-    score: np.ndarray  # per target: GRPO advantage, or the reward (the PPO return)
-    weight: np.ndarray  # per target: its share in the loss aggregation (1 for a token mean)
-    logp_rollout: np.ndarray
-    n_rollouts: int
-    reward_mean: float
-    temperature: float  # the group's sampling temperature (1 for SFT: plain NLL)
-
-
-@dataclass
-class _Micro:
-    forest: ta.TreeArrays
-    targets: np.ndarray
-    score: np.ndarray
-    weight: np.ndarray
-    logp_rollout: np.ndarray
-    temperature: np.ndarray  # per target
-    old: dict[str, torch.Tensor] = field(default_factory=dict)  # logp / value under pi_old, logp under pi_ref
-
-
 def load_policy(path: str | os.PathLike[str], config: LearnerConfig) -> nn.Module:
     """The causal LM in a HF folder, in the config's parameter dtype (the slow part of building a Learner)."""
     from transformers import AutoModelForCausalLM
@@ -250,9 +224,9 @@ class Learner:
         if not groups:
             raise ValueError("Learner.train_step needs at least one TreeGroup")
         value_phase = cfg.advantage == "ppo" and self.step < cfg.value_warmup_steps
-        trees = [self._prepare(g, i) for i, g in enumerate(groups)]
+        trees = [batches.prepare(g, i, self.config) for i, g in enumerate(groups)]
         splits = [list(s) for s in np.array_split(np.arange(len(trees)), min(cfg.minibatches, len(trees)))]
-        micros = [self._micro_batches([trees[i] for i in s]) for s in splits]
+        micros = [batches.micro_batches([trees[i] for i in s], cfg.micro_batch_tokens) for s in splits]
         single_update = cfg.epochs * len(splits) == 1
         for mbs in micros:
             self._fill_old(mbs, need_logp=not single_update)
@@ -277,8 +251,8 @@ class Learner:
         if not groups:
             raise ValueError("Learner.sft_step needs at least one TreeGroup")
         t0 = time.perf_counter()
-        trees = [self._prepare(g, i, sft=True) for i, g in enumerate(groups)]
-        sums = self._accumulate(self._micro_batches(trees), sft=True)
+        trees = [batches.prepare(g, i, self.config, sft=True) for i, g in enumerate(groups)]
+        sums = self._accumulate(batches.micro_batches(trees, self.config.micro_batch_tokens), sft=True)
         grad_norm = self._optimizer_step()
         self.step += 1
         self.version += 1
@@ -289,8 +263,8 @@ class Learner:
     def loss_and_grads(self, groups: list[TreeGroup], sft: bool = False) -> dict[str, float]:
         """Forward and backward of one single-update step without the optimizer step (gradients stay in .grad)."""
         self.optimizer.zero_grad(set_to_none=True)
-        trees = [self._prepare(g, i, sft=sft) for i, g in enumerate(groups)]
-        mbs = self._micro_batches(trees)
+        trees = [batches.prepare(g, i, self.config, sft=sft) for i, g in enumerate(groups)]
+        mbs = batches.micro_batches(trees, self.config.micro_batch_tokens)
         if not sft:
             self._fill_old(mbs, need_logp=False)
         value_phase = self.config.advantage == "ppo" and self.step < self.config.value_warmup_steps
@@ -390,137 +364,25 @@ class Learner:
         decay = 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
         return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
-    def _prepare(self, group: TreeGroup, index: int, sft: bool = False) -> _Tree:
-        cfg = self.config
-        arrays = ta.unpack(group.packed, where=f"TreeGroup[{index}]({group.group_id}).packed")
-        if arrays.rollout.max(initial=-1) >= len(group.rollouts):
-            raise ValueError(
-                f"TreeGroup[{index}]({group.group_id}): packed.rollout refers to slot "
-                f"{int(arrays.rollout.max())} but rollouts has {len(group.rollouts)} entries"
-            )
-        rewards = np.array([r.reward for r in group.rollouts], dtype=np.float64)
-        if sft:
-            targets = np.flatnonzero(arrays.trainable)
-            score = np.zeros(targets.shape[0])
-        else:
-            valid = adv.rollout_valid(group.rollouts, cfg.train_statuses)
-            targets = np.flatnonzero(arrays.trainable & adv.per_token(valid, arrays.rollout))
-            slot = (
-                adv.grpo_advantages(rewards, valid, cfg.grpo_eps, cfg.grpo_scale_by_std)
-                if cfg.advantage == "grpo"
-                else rewards
-            )
-            score = adv.per_token(slot, arrays.rollout)[targets]
-        weight = np.ones(targets.shape[0], dtype=np.float32)
-        if not sft and cfg.loss_agg == "seq_mean_token_mean" and targets.size:
-            slots = arrays.rollout[targets]
-            weight = (1.0 / np.bincount(slots)[slots]).astype(np.float32)
-        return _Tree(
-            arrays=arrays,
-            targets=targets,
-            score=score.astype(np.float32),
-            weight=weight,
-            logp_rollout=arrays.logprobs[targets],
-            n_rollouts=len(group.rollouts),
-            reward_mean=float(rewards.mean()) if rewards.size else 0.0,
-            temperature=1.0 if sft else float(group.temperature),
-        )
-
-    def _micro_batches(self, trees: list[_Tree]) -> list[_Micro]:
-        """Greedy packing of root subtrees (a group's tree is usually one root; compaction segments and per-sample
-        layouts add more) into micro-batches of at most ``micro_batch_tokens``; a larger subtree goes alone."""
-        budget = self.config.micro_batch_tokens
-        bins: list[list[tuple[_Tree, int, int]]] = []
-        used = 0
-        for t in trees:
-            for start, end in ta.root_ranges(t.arrays):
-                if bins and used + (end - start) <= budget:
-                    bins[-1].append((t, start, end))
-                    used += end - start
-                else:
-                    bins.append([(t, start, end)])
-                    used = end - start
-        micros = []
-        for b in bins:
-            forest, offsets = ta.concat([ta.slice_tree(t.arrays, s, e) for t, s, e in b])
-            keep = [(t.targets >= s) & (t.targets < e) for t, s, e in b]
-            micros.append(
-                _Micro(
-                    forest=forest,
-                    targets=np.concatenate(
-                        [t.targets[k] - s + off for (t, s, _), k, off in zip(b, keep, offsets)]
-                    ),
-                    score=np.concatenate([t.score[k] for (t, _, _), k in zip(b, keep)]),
-                    weight=np.concatenate([t.weight[k] for (t, _, _), k in zip(b, keep)]),
-                    logp_rollout=np.concatenate([t.logp_rollout[k] for (t, _, _), k in zip(b, keep)]),
-                    temperature=np.concatenate(
-                        [np.full(int(k.sum()), t.temperature, np.float32) for (t, _, _), k in zip(b, keep)]),
-                )
-            )
-        return micros
-
-    def _inputs(self, forest: ta.TreeArrays, targets: np.ndarray) -> dict[str, Any]:
-        """Model inputs for one micro-batch in the configured attention layout."""
-        dev = self.accelerator.device
-        tgt_tokens = torch.as_tensor(forest.tokens[targets], device=dev)
-        if self.attention == "reference":
-            return self._reference_inputs(forest, targets, tgt_tokens)
-        if self.attention == "flex":
-            forest = ta.pad_to(forest, ta.FLEX_BLOCK)
-        se = torch.as_tensor(forest.subtree_end, device=dev)
-        if self.attention == "flex":
-            attn = ta.flex_block_mask(se)
-        else:
-            attn = ta.dense_mask(se)
-        return {
-            "input_ids": torch.as_tensor(forest.tokens, device=dev)[None],
-            "position_ids": torch.as_tensor(forest.positions, device=dev)[None],
-            "attention_mask": attn,
-            "rows": torch.as_tensor(forest.pred[targets], device=dev),
-            "targets": tgt_tokens,
-        }
-
-    def _reference_inputs(self, forest: ta.TreeArrays, targets: np.ndarray, tgt_tokens: torch.Tensor) -> dict:
-        """Every root-to-leaf path as its own causal row; each target read from the first path that holds it."""
-        paths = ta.expand_paths(forest)
-        width = max(len(p) for p in paths)
-        tokens = np.zeros((len(paths), width), np.int64)
-        positions = np.zeros((len(paths), width), np.int64)
-        row_of = np.full(len(forest), -1, np.int64)
-        for b, p in enumerate(paths):
-            tokens[b, : len(p)] = forest.tokens[p]
-            positions[b, : len(p)] = np.arange(len(p))
-            first = row_of[p[1:]] < 0
-            # Token p[k] is predicted from the hidden state at row position k - 1 of this path.
-            row_of[p[1:][first]] = b * width + np.arange(len(p) - 1)[first]
-        dev = self.accelerator.device
-        return {
-            "input_ids": torch.as_tensor(tokens, device=dev),
-            "position_ids": torch.as_tensor(positions, device=dev),
-            "attention_mask": None,
-            "rows": torch.as_tensor(row_of[targets], device=dev),
-            "targets": tgt_tokens,
-        }
-
     def _forward(
-        self, mb: _Micro, values: Literal["none", "detached", "attached"]
+        self, mb: MicroBatch, values: Literal["none", "detached", "attached"]
     ) -> dict[str, torch.Tensor]:
         cfg = self.config
         return self.net(
-            **self._inputs(mb.forest, mb.targets),
+            **batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device),
             temperature=self._temperature(mb),
             logits_chunk=cfg.logits_chunk,
             values=values,
         )
 
-    def _temperature(self, mb: _Micro) -> float | torch.Tensor:
+    def _temperature(self, mb: MicroBatch) -> float | torch.Tensor:
         """One value when the whole micro-batch shares it (the usual case), else one per target row."""
         if mb.temperature.size and (mb.temperature == mb.temperature[0]).all():
             return float(mb.temperature[0])
         return torch.as_tensor(mb.temperature, device=self.accelerator.device)
 
     @torch.no_grad()
-    def _fill_old(self, mbs: list[_Micro], need_logp: bool) -> None:
+    def _fill_old(self, mbs: list[MicroBatch], need_logp: bool) -> None:
         """pi_old log-probs and values (when more than one update uses this batch) and pi_ref log-probs."""
         ppo = self.config.advantage == "ppo"
         for mb in mbs:
@@ -531,7 +393,7 @@ class Learner:
                 if ppo:
                     mb.old["value"] = out["value"].float()
             if self.reference is not None:
-                inputs = self._inputs(mb.forest, mb.targets)
+                inputs = batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device)
                 with self.accelerator.autocast():
                     h = self.reference.base_model(
                         input_ids=inputs["input_ids"],
@@ -551,7 +413,7 @@ class Learner:
                 mb.old["ref"] = lp.float()
 
     def _accumulate(
-        self, mbs: list[_Micro], value_phase: bool = False, sft: bool = False
+        self, mbs: list[MicroBatch], value_phase: bool = False, sft: bool = False
     ) -> dict[str, float]:
         """Forward + backward over the micro-batches of one update; the loss is a weighted mean over all of them
         (weights from ``loss_agg``: 1 per token for a token mean)."""
@@ -583,7 +445,7 @@ class Learner:
 
     def _loss_parts(
         self,
-        mb: _Micro,
+        mb: MicroBatch,
         out: dict[str, torch.Tensor],
         logp: torch.Tensor,
         ppo: bool,

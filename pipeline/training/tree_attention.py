@@ -118,7 +118,7 @@ def concat(trees: list[TreeArrays]) -> tuple[TreeArrays, np.ndarray]:
 
     def cat(name: str, shift: bool = False, keep_neg: bool = False) -> np.ndarray:
         parts = []
-        for t, off in zip(trees, offsets):
+        for t, off in zip(trees, offsets, strict=True):
             a = getattr(t, name)
             if shift:
                 a = np.where(a >= 0, a + off, a) if keep_neg else a + off
@@ -141,7 +141,7 @@ def concat(trees: list[TreeArrays]) -> tuple[TreeArrays, np.ndarray]:
 def root_ranges(tree: TreeArrays) -> list[tuple[int, int]]:
     """[start, end) of each root's subtree: independent pieces a micro-batch may take separately."""
     roots = np.flatnonzero(tree.pred < 0)
-    return list(zip(roots.tolist(), tree.subtree_end[roots].tolist()))
+    return list(zip(roots.tolist(), tree.subtree_end[roots].tolist(), strict=True))
 
 
 def slice_tree(tree: TreeArrays, start: int, end: int) -> TreeArrays:

@@ -138,7 +138,9 @@ async def test_replay_applies_recorded_config_changes_in_order(tmp_path):
     # Live: only "scale" runs; we play the source by hand so the reload lands exactly between notes 4 and 5.
     sup = Supervisor(exp, resolve, log, handle_signals=False, only={"scale"}, external_inputs={"scale"})
     sup.config_path = cfg_path
-    scale = sup.actors["scale"]
+    # a tap on scale's output: the feeder waits for each note to come out before sending the next
+    tap_send, tap = anyio.create_memory_object_stream[Note](1)
+    sup.actors["scale"].out["out"].connect(tap_send)
 
     async def feeder(graph):
         for i in range(10):
@@ -148,10 +150,11 @@ async def test_replay_applies_recorded_config_changes_in_order(tmp_path):
             note = Note(seq=i, value=i)
             await log.record("source.out", note)
             await graph.feeds["scale"].send(note)
-            while scale.out["out"].sent <= i:
-                await anyio.sleep(0.001)
+            with anyio.fail_after(10):
+                assert (await tap.receive()).seq == i
 
-    await sup.run(feeder)
+    with tap:
+        await sup.run(feeder)
     log.close()
 
     def outputs(path):

@@ -66,7 +66,8 @@ async def test_collector_settle_rules_apply_to_rollouts_already_waiting():
         assert lv.sent["settled"] == []  # 1000 quiet checks 10 ms apart: 10 s
         new, kw = changed(c, settle_checks=1)
         await actor.on_config(new, kw)
-        (out,) = await lv.wait_for("settled", 1, timeout=2.0)
+        with anyio.fail_after(2.0):
+            (out,) = await lv.wait_for("settled", 1)
         assert out.request.rollout_id == "r0"
 
 

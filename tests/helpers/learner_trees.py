@@ -102,7 +102,7 @@ def group(paths: list[list[Item]], rewards: list[float], statuses: list[str] | N
         harness="h",
         rollouts=[
             RolloutSummary(rollout_id=f"{gid}-r{i}", reward=float(x), status=s)  # type: ignore[arg-type]
-            for i, (x, s) in enumerate(zip(rewards, statuses))
+            for i, (x, s) in enumerate(zip(rewards, statuses, strict=True))
         ],
         packed=pack_paths(paths),
     )

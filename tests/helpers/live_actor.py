@@ -18,12 +18,16 @@ class Live:
         self.actor = actor
         self.inbox = inbox
         self.sent: dict[str, list[Message]] = defaultdict(list)
+        self.arrived = anyio.Condition()  # notified on every message an output sends
+        self.stopped = anyio.Event()  # set when the actor's run() returns by itself
 
-    async def wait_for(self, output: str, n: int, timeout: float = 10.0) -> list[Message]:
-        """The first ``n`` messages of ``output``, waiting until they are there."""
-        with anyio.fail_after(timeout):
-            while len(self.sent[output]) < n:
-                await anyio.sleep(0.005)
+    async def wait_for(self, output: str, n: int) -> list[Message]:
+        """The first ``n`` messages of ``output``, waiting until they are there: at most 10 s (a test that needs
+        them sooner wraps the call in its own ``anyio.fail_after``)."""
+        with anyio.fail_after(10.0):
+            async with self.arrived:
+                while len(self.sent[output]) < n:
+                    await self.arrived.wait()
         return self.sent[output][:n]
 
 
@@ -36,6 +40,8 @@ async def live(actor: Actor[Any], inbox_size: int = 64) -> AsyncIterator[Live]:
     async def drain(name: str, stream: Any) -> None:
         async for msg in stream:
             harness.sent[name].append(msg)
+            async with harness.arrived:
+                harness.arrived.notify_all()
 
     async with anyio.create_task_group() as tg:
         for name in type(actor).outputs:
@@ -43,7 +49,12 @@ async def live(actor: Actor[Any], inbox_size: int = 64) -> AsyncIterator[Live]:
             actor.out[name] = Output(f"{actor.name}.{name}", None)
             actor.out[name].connect(out_send)
             tg.start_soon(drain, name, out_recv)
-        tg.start_soon(actor.run)
+
+        async def run() -> None:
+            await actor.run()
+            harness.stopped.set()
+
+        tg.start_soon(run)
         try:
             yield harness
         finally:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import anyio
 
 from pipeline.messages import ModelCall
 from pipeline.serving.proxy import Proxy, ProxySettings
@@ -28,16 +30,32 @@ def renderer():
     return _RENDERER
 
 
+class Records(list):
+    """What the proxy emitted, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._added = anyio.Condition()
+
+    async def add(self, record: Any) -> None:
+        self.append(record)
+        async with self._added:
+            self._added.notify_all()
+
+    async def wait_for(self, pred: Callable[[Any], bool]) -> list:
+        """The records ``pred`` accepts, once there is at least one (bound the wait with ``anyio.fail_after``)."""
+        async with self._added:
+            while not (hits := [r for r in self if pred(r)]):
+                await self._added.wait()
+        return hits
+
+
 @contextlib.asynccontextmanager
-async def running_proxy(script: Script | None = None, **settings: Any) -> AsyncIterator[tuple[Proxy, list, str]]:
+async def running_proxy(script: Script | None = None, **settings: Any) -> AsyncIterator[tuple[Proxy, Records, str]]:
     script = script or Script(default=[WRITE, TWO, DONE])
     eng = ScriptedEngine(renderer(), script)
-    records: list = []
-
-    async def emit(m):
-        records.append(m)
-
-    p = Proxy(eng, renderer(), emit, ProxySettings(**settings))
+    records = Records()
+    p = Proxy(eng, renderer(), records.add, ProxySettings(**settings))
     p._test_clients = []  # type: ignore[attr-defined]
     await p.start()
     token = p.open_rollout("r1")

@@ -138,23 +138,54 @@ def generate(
     reward: float = 0.0,
 ) -> GenRollout:
     """Play one rollout; ``prompt`` (the shared system + task tokens) starts the main agent's first input."""
-    calls: list[GenCall] = []
-    n_chains = [0]
+    player = _Player(rng, spec, rollout_id)
+    player.play(prompt)
+    settled = SettledRollout(
+        request=RolloutRequest(
+            rollout_id=rollout_id,
+            group_id=group_id,
+            index=index,
+            group_size=group_size,
+            task_id="t0",
+            harness="gen",
+            token="x",
+            policy_version=0,
+        ),
+        finished=RolloutFinished(rollout_id=rollout_id, group_id=group_id, status=status, reward=reward),  # type: ignore[arg-type]
+        calls=player.records(),
+    )
+    return GenRollout(settled, player.calls)
 
-    def msg(mark: int, lo_hi: tuple[int, int]) -> np.ndarray:
-        n = int(rng.integers(lo_hi[0], lo_hi[1] + 1))
-        return np.concatenate([[mark], rng.integers(0, spec.vocab, n - 1)]).astype(np.int32)
+
+class _Player:
+    """The simulated harness of one rollout: the calls it made, each drawn from ``rng`` in play order (so a seed
+    replays the same rollout)."""
+
+    def __init__(self, rng: np.random.Generator, spec: Spec, rollout_id: str) -> None:
+        self.rng = rng
+        self.spec = spec
+        self.rollout_id = rollout_id
+        self.calls: list[GenCall] = []
+        self.n_chains = 0
+
+    def msg(self, mark: int, lo_hi: tuple[int, int]) -> np.ndarray:
+        n = int(self.rng.integers(lo_hi[0], lo_hi[1] + 1))
+        return np.concatenate([[mark], self.rng.integers(0, self.spec.vocab, n - 1)]).astype(np.int32)
+
+    def env_msg(self) -> np.ndarray:
+        return self.msg(int(self.rng.choice(ENV_MARKS)), self.spec.msg_len)
 
     def call(
-        pieces: list[tuple[np.ndarray, int]], label: str, chain: int, min_out: int = 1, aborted: bool = False
+        self, pieces: list[tuple[np.ndarray, int]], label: str, chain: int, min_out: int = 1, aborted: bool = False
     ) -> GenCall:
+        spec, calls = self.spec, self.calls
         lo = max(spec.out_len[0], min_out)
-        y = msg(int(rng.choice(OUT_MARKS)), (lo, max(lo, spec.out_len[1])))
+        y = self.msg(int(self.rng.choice(OUT_MARKS)), (lo, max(lo, spec.out_len[1])))
         last = next((src for _, src in reversed(pieces) if src >= 0), -1)
         full = last >= 0 and next(p for p, s in reversed(pieces) if s >= 0).shape[0] == calls[last].y.shape[0]
-        proxy = label if label == "main" or rng.random() < spec.p_labelled else "main"
+        proxy = label if label == "main" or self.rng.random() < spec.p_labelled else "main"
         c = GenCall(
-            call_id=f"{rollout_id}-c{len(calls)}",
+            call_id=f"{self.rollout_id}-c{len(calls)}",
             seq=len(calls),
             label=label,
             proxy_label=proxy,
@@ -170,52 +201,61 @@ def generate(
         calls.append(c)
         return c
 
-    def new_chain() -> int:
-        n_chains[0] += 1
-        return n_chains[0] - 1
+    def new_chain(self) -> int:
+        self.n_chains += 1
+        return self.n_chains - 1
 
-    chain = new_chain()
-    hist: list[tuple[np.ndarray, int]] = [(prompt, -1)]
-    snapshots: list[list[tuple[np.ndarray, int]]] = []
-    for turn in range(spec.turns):
-        if turn > 0:
-            hist.append((msg(int(rng.choice(ENV_MARKS)), spec.msg_len), -1))
-        if rng.random() < spec.p_abort:
-            call(hist, "main", chain, aborted=True)
-        if rng.random() < spec.p_retry:
-            call(hist, "main", chain)
-        live = call(hist, "main", chain)
-        y = live.y
-        if y.shape[0] >= 2 and rng.random() < spec.p_truncate:
-            y = y[: int(rng.integers(1, y.shape[0]))]
-        hist.append((y, live.seq))
-        snapshots.append(list(hist))
-        if turn == spec.turns - 1:
-            break
-        if rng.random() < spec.p_subagent:
-            sub = new_chain()
-            # Each subagent gets its own task (an identical one would be indistinguishable from a retry).
-            task = np.concatenate([[SUB_SYS, SUB_TASK + sub], msg(SUB_SYS, (1, 6))[1:]]).astype(np.int32)
-            s_hist: list[tuple[np.ndarray, int]] = [(task, -1)]
-            for k in range(int(rng.integers(1, 3))):
-                if k:
-                    s_hist.append((msg(int(rng.choice(ENV_MARKS)), spec.msg_len), -1))
-                sc = call(s_hist, "subagent", sub)
-                s_hist.append((sc.y, sc.seq))
-        if len(snapshots) >= 2 and rng.random() < spec.p_fork:
-            hist = list(snapshots[-2])
-        if rng.random() < spec.p_compaction:
-            req = msg(COMPACT_REQ, spec.msg_len)
-            comp = call([*hist, (req, -1)], "compaction", chain, min_out=8)
-            chain = new_chain()
-            hist = [(prompt, -1), (np.concatenate([[SUMMARY], comp.y]).astype(np.int32), -1)]
-            snapshots = []
+    def play(self, prompt: np.ndarray) -> None:
+        """The main agent's turns, with the retries, aborts, truncations, forks, subagents and compactions
+        ``spec`` draws."""
+        spec, rng = self.spec, self.rng
+        chain = self.new_chain()
+        hist: list[tuple[np.ndarray, int]] = [(prompt, -1)]
+        snapshots: list[list[tuple[np.ndarray, int]]] = []
+        for turn in range(spec.turns):
+            if turn > 0:
+                hist.append((self.env_msg(), -1))
+            if rng.random() < spec.p_abort:
+                self.call(hist, "main", chain, aborted=True)
+            if rng.random() < spec.p_retry:
+                self.call(hist, "main", chain)
+            live = self.call(hist, "main", chain)
+            y = live.y
+            if y.shape[0] >= 2 and rng.random() < spec.p_truncate:
+                y = y[: int(rng.integers(1, y.shape[0]))]
+            hist.append((y, live.seq))
+            snapshots.append(list(hist))
+            if turn == spec.turns - 1:
+                break
+            if rng.random() < spec.p_subagent:
+                self.subagent()
+            if len(snapshots) >= 2 and rng.random() < spec.p_fork:
+                hist = list(snapshots[-2])
+            if rng.random() < spec.p_compaction:
+                req = self.msg(COMPACT_REQ, spec.msg_len)
+                comp = self.call([*hist, (req, -1)], "compaction", chain, min_out=8)
+                chain = self.new_chain()
+                hist = [(prompt, -1), (np.concatenate([[SUMMARY], comp.y]).astype(np.int32), -1)]
+                snapshots = []
 
-    records = []
-    for c in calls:
-        records.append(
+    def subagent(self) -> None:
+        """A subagent of one or two turns, on a chain of its own."""
+        sub = self.new_chain()
+        # Each subagent gets its own task (an identical one would be indistinguishable from a retry).
+        task = np.concatenate([[SUB_SYS, SUB_TASK + sub], self.msg(SUB_SYS, (1, 6))[1:]]).astype(np.int32)
+        s_hist: list[tuple[np.ndarray, int]] = [(task, -1)]
+        for k in range(int(self.rng.integers(1, 3))):
+            if k:
+                s_hist.append((self.env_msg(), -1))
+            sc = self.call(s_hist, "subagent", sub)
+            s_hist.append((sc.y, sc.seq))
+
+    def records(self) -> list[ModelCall]:
+        """The calls as the proxy records them, some duplicated and (``spec.shuffle``) out of order."""
+        spec, rng = self.spec, self.rng
+        records = [
             ModelCall(
-                rollout_id=rollout_id,
+                rollout_id=self.rollout_id,
                 call_id=c.call_id,
                 seq=c.seq,
                 protocol="chat",
@@ -225,25 +265,12 @@ def generate(
                 logprobs=pack_f32(c.lp),
                 finish_reason="abort" if c.aborted else "stop",
             )
-        )
-    records += [records[int(k)] for k in np.flatnonzero(rng.random(len(records)) < spec.p_duplicate)]
-    if spec.shuffle:
-        records = [records[int(k)] for k in rng.permutation(len(records))]
-    settled = SettledRollout(
-        request=RolloutRequest(
-            rollout_id=rollout_id,
-            group_id=group_id,
-            index=index,
-            group_size=group_size,
-            task_id="t0",
-            harness="gen",
-            token="x",
-            policy_version=0,
-        ),
-        finished=RolloutFinished(rollout_id=rollout_id, group_id=group_id, status=status, reward=reward),  # type: ignore[arg-type]
-        calls=records,
-    )
-    return GenRollout(settled, calls)
+            for c in self.calls
+        ]
+        records += [records[int(k)] for k in np.flatnonzero(rng.random(len(records)) < spec.p_duplicate)]
+        if spec.shuffle:
+            records = [records[int(k)] for k in rng.permutation(len(records))]
+        return records
 
 
 def generate_group(

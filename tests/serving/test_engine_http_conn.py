@@ -32,7 +32,7 @@ class RawServer:
         self.frame = frame
         self.requests: list[dict] = []
         self.connections = 0
-        self.disconnects = 0
+        self.disconnected = anyio.Event()  # a held request's client went away
         self.server: asyncio.AbstractServer | None = None
         self.hold = False  # never answer (a slow engine)
         self.piece = 0  # >0: write answers in pieces of this many bytes, one per event loop turn
@@ -48,7 +48,7 @@ class RawServer:
                 self.requests.append(body)
                 if self.hold:
                     await reader.read()  # until the client goes away
-                    self.disconnects += 1
+                    self.disconnected.set()
                     return
                 data, close = self.frame(json.dumps({**ANSWER, "meta_info": {**ANSWER["meta_info"],
                                                                              "id": body["rid"]}}).encode())
@@ -174,8 +174,7 @@ def test_cancelling_a_generation_closes_its_connection_and_the_engine_sees_it():
             with anyio.move_on_after(0.2):
                 await eng.generate([1], Sampling(), rid="slow")
             with anyio.fail_after(5):
-                while srv.disconnects == 0:
-                    await anyio.sleep(0.01)
+                await srv.disconnected.wait()
             assert eng._idle == []
 
     anyio.run(main)

@@ -72,7 +72,7 @@ def test_reduced_model_folder_loads_with_transformers(tmp_path):
         tmp_path / "m2", vocab=t, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1
     )
     m2 = AutoModelForCausalLM.from_pretrained(d2)
-    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True))
 
 
 def test_bad_vocab_file_is_named(tmp_path):

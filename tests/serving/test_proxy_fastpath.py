@@ -115,9 +115,7 @@ async def test_a_dropped_client_aborts_its_engine_request(wait_s, head_s):
                                        "messages": [{"role": "user", "content": "x"}]})
                 await r.read()
         with anyio.fail_after(10):
-            while not any(isinstance(x, CallFailed) for x in records):
-                await anyio.sleep(0.02)
-        [failed] = [x for x in records if isinstance(x, CallFailed)]
+            [failed] = await records.wait_for(lambda x: isinstance(x, CallFailed))
         assert failed.reason == "client disconnected"
         assert p.engine.aborted == [f"r1|{failed.call_id}"]
         assert p.pending("r1") == 0 and model_calls(records) == []
@@ -141,7 +139,7 @@ async def test_tokenizing_in_a_worker_thread_gives_the_inline_ids():
     inline = await _tool_loop(render_thread_chars=0)
     threaded = await _tool_loop(render_thread_chars=1)
     assert len(inline) == len(threaded) == 3
-    for a, b in zip(inline, threaded):
+    for a, b in zip(inline, threaded, strict=True):
         assert np.array_equal(ids(a.input_ids), ids(b.input_ids))
         assert a.spliced_turns == b.spliced_turns and a.rendered_turns == b.rendered_turns
     assert threaded[-1].spliced_turns == 2  # later calls reuse the sampled ids of earlier answers

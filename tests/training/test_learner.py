@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pipeline.messages import RolloutSummary, TreeGroup, ids
+from pipeline.training import batches
 from pipeline.training import tree_attention as ta
 from pipeline.training.learner import Learner, LearnerConfig
 from tests.helpers.learner_trees import Item, group, pack_paths, random_paths, tiny_qwen3
@@ -306,7 +307,8 @@ def test_flex_attention_path_equals_dense():
         lrn = _learner(copy.deepcopy(model), attention=attention, advantage="ppo")
         with torch.no_grad():
             lrn.net.value_head.weight.normal_(generator=torch.Generator().manual_seed(0))
-        mbs = lrn._micro_batches([lrn._prepare(g, i) for i, g in enumerate(groups)])
+        mbs = batches.micro_batches([batches.prepare(g, i, lrn.config) for i, g in enumerate(groups)],
+                                    lrn.config.micro_batch_tokens)
         lrn._fill_old(mbs, need_logp=True)
         out[attention] = (
             torch.cat([mb.old["logp"] for mb in mbs]),
@@ -323,7 +325,8 @@ def test_micro_batches_split_at_roots_without_changing_the_step():
     model = tiny_qwen3(1)
     whole = _learner(copy.deepcopy(model), micro_batch_tokens=100_000)
     split = _learner(copy.deepcopy(model), micro_batch_tokens=1)
-    n_split = len(split._micro_batches([split._prepare(g, i) for i, g in enumerate(groups)]))
+    trees = [batches.prepare(g, i, split.config) for i, g in enumerate(groups)]
+    n_split = len(batches.micro_batches(trees, split.config.micro_batch_tokens))
     assert n_split > len(groups)
     m_whole, m_split = whole.loss_and_grads(groups), split.loss_and_grads(groups)
     assert m_whole["loss"] == pytest.approx(m_split["loss"], abs=1e-6)
