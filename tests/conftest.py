@@ -5,6 +5,9 @@ from pathlib import Path
 
 import pytest
 
+# its checks are asserts in a helper module: rewritten so their failures show the values
+pytest.register_assert_rewrite("tests.helpers.whitebox_scripts")
+
 E2E = Path(__file__).resolve().parent / "e2e"
 FAST_E2E = {"test_reload.py"}  # in-process actors only
 

@@ -16,6 +16,7 @@ container's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -36,10 +37,8 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
         pass
     finally:
         # Half-close so the peer sees end-of-request while its answer can still come back.
-        try:
+        with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
 
 
 def _relay(client: socket.socket, socket_path: str) -> None:

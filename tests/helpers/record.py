@@ -14,6 +14,7 @@ from pipeline.messages import ModelCall, RolloutFinished, RolloutRequest, Settle
 from pipeline.rollout.harnesses import HARNESSES, LaunchContext, find_binary, launch_for
 from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
 from tests.helpers.ci import require
+from tests.helpers.harness_run import write_files
 from tests.helpers.proxyutil import model_calls, running_proxy
 
 
@@ -38,9 +39,7 @@ async def record(harness: str, tmp_path: Path, responses: list[ScriptResponse], 
         ctx = LaunchContext(workspace=str(ws), home=str(home), base_url=p.base_url, token=token,
                             instruction=instruction, binary=binary)
         launch = launch_for(harness, ctx)
-        for path, content in launch.files.items():
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(content)
+        write_files(launch)
         env = {"PATH": os.environ["PATH"], **launch.env}
         with anyio.fail_after(timeout_s):
             proc = await anyio.run_process(launch.argv, env=env, cwd=ws, stdin=subprocess.DEVNULL, check=False)

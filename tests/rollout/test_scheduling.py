@@ -41,7 +41,7 @@ def test_scaling_mode_uses_k_nearest_training_configs_over_k_steps(tasks):
     s0, s1, s2 = p.step(0), p.step(1), p.step(2)
     assert [a.task.id for a in s0] == [a.task.id for a in s1]  # a block of K=2 steps shares its tasks
     assert {a.task.id for a in s2}.isdisjoint({a.task.id for a in s0}) or len(tasks) < 6
-    for a, b in zip(s0, s1):
+    for a, b in zip(s0, s1, strict=True):
         ca, cb = HarnessConfig.parse(a.harness), HarnessConfig.parse(b.harness)
         assert ca in train and cb in train and ca != cb
         nearest = min(ca.distance(c) for c in train if c != ca)

@@ -25,8 +25,6 @@ from pipeline.rollout.tasks import materialize
 from pipeline.tokens.tokenizer import QwenTokenizer
 from tests.helpers.docker import containers_of
 from tests.helpers.proxyutil import running_proxy
-
-pytest.register_assert_rewrite("tests.helpers.whitebox_scripts")
 from tests.helpers.whitebox_scripts import HARNESS_ARGS, Outcome, check_outcome, episode, scripted_request
 
 pytestmark = pytest.mark.docker

@@ -17,8 +17,6 @@ from pipeline.rollout.sandbox import LocalBackend, LocalSettings
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import materialize
 from tests.helpers.proxyutil import running_proxy
-
-pytest.register_assert_rewrite("tests.helpers.whitebox_scripts")
 from tests.helpers.whitebox_scripts import HARNESS_ARGS, Outcome, check_outcome, episode, scripted_request
 
 pytestmark = pytest.mark.slow
