@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import anyio
 import msgspec
 
-from pipeline.core.config import NonNegFloat, Port, PosFloat, PosInt, Section
+from pipeline.core.config import NonNegFloat, NonNegInt, Port, PosFloat, PosInt, Section
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
 from pipeline.serving.factory import EngineSettings, open_engine, open_renderer
@@ -36,6 +36,7 @@ class ProxyActorSettings(Section):
     model_name: str = "policy"
     subagent_model: str = "policy-subagent"
     update_timeout_s: PosFloat = 600.0
+    engine_retries: NonNegInt = 1  # a failed engine call is asked again this often before the harness is told
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     reloadable = frozenset({"keepalive_s", "update_timeout_s"})
 
@@ -66,7 +67,7 @@ class ProxyActor(Actor[ProxyActorSettings]):
         return ProxySettings(host=c.host, port=c.port, unix_socket=sock, keepalive_s=c.keepalive_s,
                              stream_head_s=c.stream_head_s,
                              max_body_bytes=c.max_body_bytes, context_len=c.context_len, model_name=c.model_name,
-                             subagent_model=c.subagent_model)
+                             subagent_model=c.subagent_model, engine_retries=c.engine_retries)
 
     async def run(self) -> None:
         engine_settings = msgspec.structs.replace(self.config.engine, model=self.ctx.run.model)

@@ -43,7 +43,14 @@ from pipeline.messages import (
     pack_f32,
     pack_i32,
 )
-from pipeline.serving.engine import Engine, EngineBadRequest, EngineError, GenerateResult, Sampling
+from pipeline.serving.engine import (
+    Engine,
+    EngineBadRequest,
+    EngineError,
+    EngineUnavailable,
+    GenerateResult,
+    Sampling,
+)
 from pipeline.serving.labels import detect_label
 from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse
 from pipeline.serving.streaming import finish_stream, watch_engine
@@ -81,6 +88,11 @@ class ProxySettings(msgspec.Struct, kw_only=True):
     # 32k characters is ~8k tokens, ~2 ms of tokenizing. 0 tokenizes every call inline.
     render_thread_chars: int = 32768
     render_threads: int = 2  # worker threads for that
+    # An engine that fails or cannot be reached (not one that refuses the request) is asked again this many times,
+    # ENGINE_RETRY_S apart, before the harness is told: a transient failure then costs the rollout nothing,
+    # whatever the harness does with errors (Codex and Qwen Code end the rollout at the first one). A dead engine
+    # is the watchdog's (pipeline/serving/watchdog.py).
+    engine_retries: int = 1
 
 
 @dataclass
@@ -386,7 +398,8 @@ class Proxy:
         # The engine call runs as a plain asyncio task (aiohttp handlers always run on asyncio): most calls finish
         # within the first watch tick, and a task group + event + cancel scope per call cost more than the rest of
         # the waiting.
-        task = asyncio.get_running_loop().create_task(_run_engine(engine, input_ids, sampling, rid))
+        task = asyncio.get_running_loop().create_task(
+            _run_engine(engine, input_ids, sampling, rid, self.settings.engine_retries))
         resp, disconnected = await watch_engine(call.request, call.proto, call.sstate, call.stream, task, engine, rid,
                                                 stream_head_s=self.settings.stream_head_s,
                                                 keepalive_s=self.settings.keepalive_s)
@@ -465,18 +478,30 @@ def _timed_tokenize(splicer: Splicer, plan: RenderPlan) -> tuple[RenderResult, f
     return rendered, time.perf_counter() - t0
 
 
+ENGINE_RETRY_S = 0.5
+
+
 async def _run_engine(
-    engine: Engine, input_ids: Any, sampling: Sampling, rid: str
+    engine: Engine, input_ids: Any, sampling: Sampling, rid: str, retries: int = 0
 ) -> tuple[GenerateResult | None, tuple[ErrorKind, str] | None]:
-    """(result, None), or (None, (error kind, message)) for an engine failure the client is told about."""
-    try:
-        return await engine.generate(input_ids, sampling, rid=rid), None
-    except EngineBadRequest as e:
-        msg = str(e)
-        return None, ("context_length" if "context" in msg.lower() or "longer" in msg.lower()
-                      else "invalid_request", msg)
-    except EngineError as e:
-        return None, ("server", f"engine failed: {e}")
+    """(result, None), or (None, (error kind, message)) for an engine failure the client is told about. A failure
+    of the engine itself (EngineUnavailable) is retried ``retries`` times first."""
+    for attempt in range(retries + 1):
+        try:
+            return await engine.generate(input_ids, sampling, rid=rid), None
+        except EngineBadRequest as e:
+            msg = str(e)
+            return None, ("context_length" if "context" in msg.lower() or "longer" in msg.lower()
+                          else "invalid_request", msg)
+        except EngineUnavailable as e:
+            if attempt == retries:
+                return None, ("server", f"engine failed: {e}" + (f" ({retries + 1} attempts)" if retries else ""))
+            get_logger(actor="proxy").warning("engine failed; asking it again", rid=rid, attempt=attempt + 1,
+                                              error=str(e))
+            await asyncio.sleep(ENGINE_RETRY_S)
+        except EngineError as e:
+            return None, ("server", f"engine failed: {e}")
+    raise AssertionError("unreachable")
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

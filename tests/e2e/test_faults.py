@@ -35,6 +35,7 @@ def test_engine_500_and_killed_sandbox_do_not_stop_the_run(tmp_path):
         "scheduler.sft_groups=0", "run.steps=3",
         "scheduler.group_size=2", "run.groups_per_step=2",
         "scheduler.tasks.count=10", 'monitor.display="off"',
+        "proxy.engine_retries=0",  # the injected 500 reaches the harness (one retry would hide it)
     ]
     args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
     for s in sets:

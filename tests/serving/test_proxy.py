@@ -231,8 +231,8 @@ async def test_engine_error_becomes_a_protocol_error_and_a_call_failed():
         c = sdk_openai(p, base_url=p.base_url + "/v1", api_key=token, max_retries=3)
         with pytest.raises(openai.InternalServerError) as e:
             await c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
-        assert "boom" in str(e.value)
-        assert p.engine.calls == 1  # x-should-retry: false stops the SDK's own retries
+        assert "boom" in str(e.value) and "(2 attempts)" in str(e.value)
+        assert p.engine.calls == 2  # the proxy's one retry; x-should-retry: false stops the SDK's own retries
         a = sdk_anthropic(p, base_url=p.base_url, api_key=token, max_retries=0)
         with pytest.raises(anthropic.APIStatusError):
             async with a.messages.stream(model="policy", max_tokens=5, messages=[{"role": "user", "content": "x"}]) as s:

@@ -163,3 +163,25 @@ async def test_parallel_calls_of_one_rollout_render_in_threads_without_mixing():
         expected = {len(renderer.render_ids(from_chat({"messages": [{"role": "user", "content": t}]})))
                     for t in texts}
         assert {len(ids(m.input_ids)) for m in calls} == expected
+
+
+@pytest.mark.parametrize(("failures", "retries"), [(1, 1), (2, 1), (1, 0)])
+async def test_a_failing_engine_is_asked_again_before_the_harness_is_told(failures, retries):
+    """Codex and Qwen Code end the rollout at the first engine error (Claude Code, OpenClaw and the white-box
+    harness make one more call): a transient engine failure is retried by the proxy, invisibly, once."""
+    script = Script(default=[DONE], fail_calls=list(range(failures)), latency_s=0.05)
+    async with running_proxy(script, engine_retries=retries) as (p, records, token):
+        c = sdk_openai(p, base_url=f"{p.base_url}/v1", api_key=token, max_retries=0)
+        recovered = failures <= retries
+        if recovered:
+            r = await c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+            assert r.choices[0].message.content == "Done."
+        else:
+            import openai
+
+            with pytest.raises(openai.APIStatusError) as e:
+                await c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+            assert e.value.response.headers.get("x-should-retry") == "false"
+            assert f"({retries + 1} attempts)" in str(e.value) or retries == 0
+    failed = [r for r in records if isinstance(r, CallFailed)]
+    assert (len(model_calls(records)), len(failed)) == ((1, 0) if recovered else (0, 1))
