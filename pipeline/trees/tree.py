@@ -99,86 +99,81 @@ def build_tree(settled: SettledRollout, options: TreeOptions | None = None) -> R
     root = Node(np.zeros(0, dtype=np.int32), 0, None, -1, False)
     infos: list[CallInfo] = []
     chains: list[Chain] = []
-    tokens_total = 0
-
     for i, rec in enumerate(recs):
         c = rec.call
-        x, y = rec.x, rec.y
-        tokens_total += x.shape[0] + y.shape[0]
-        info = CallInfo(
-            call_id=c.call_id,
-            seq=c.seq,
-            proxy_label=c.label,
-            input_len=int(x.shape[0]),
-            output_len=int(y.shape[0]),
-            min_version=min((v.version for v in c.versions), default=None),
-        )
-        # Start from the best of a few recent histories: usually the previous call, which x extends entirely.
-        # Equal matches: prefer a history x extends entirely (the walk continues below it), then the latest.
-        best_l, best_full, best_j = 0, False, -1
-        for j in range(i - 1, max(-1, i - 1 - _CANDIDATES), -1):
-            hist_len = infos[j].input_len + infos[j].output_len
-            if hist_len < best_l or (hist_len == best_l and best_full):
-                continue
-            m = _history_lcp(x, recs[j].x, recs[j].y)
-            if (m, m == hist_len) > (best_l, best_full):
-                best_l, best_full, best_j = m, m == hist_len, j
-        node: Node = root
-        if best_j >= 0:
-            node = infos[best_j].out_end  # type: ignore[assignment]
-            while node is not root and node.end > best_l:
-                node = node.parent  # type: ignore[assignment]
-        node, pos = _walk_down(node, x, node.end)
-        existed = node is not root
+        info = CallInfo(call_id=c.call_id, seq=c.seq, proxy_label=c.label, input_len=int(rec.x.shape[0]),
+                        output_len=int(rec.y.shape[0]),
+                        min_version=min((v.version for v in c.versions), default=None))
+        node, pos = _attach_point(root, recs, infos, i)
+        info.exact = node is not root and pos == node.end
         if pos < node.end:
             node = _split(node, pos - node.start)
-            existed = False
-        info.exact = existed
-
-        # The nearest output on the matched path decides the chain.
-        t: Node | None = node
-        while t is not None and t is not root and not t.trainable:
-            t = t.parent
-        if t is not None and t is not root:
-            info.parent_call = t.call
-            info.n_calls = infos[t.call].n_calls + 1
-            info.chain = infos[t.call].chain
-            if infos[t.call].out_end is t:
-                info.extends = t.call
-        elif pos == x.shape[0] and (sib := [ch for ch in node.children if ch.trainable]):
-            # Same input as an earlier root call: a retried first turn.
-            info.chain = infos[sib[-1].call].chain
-        elif (j := next((j for j in range(i - 1, max(-1, i - 1 - _CANDIDATES), -1)
-                         if _dropped_trailing_turn(x, recs[j], recs[max(0, j - 3):j])), -1)) >= 0:
-            info.parent_call, info.rewrite = j, "dropped_trailing_turn"
-            info.n_calls = infos[j].n_calls + 1
-            info.chain = infos[j].chain
-            infos[j].continued = True
-        else:
-            info.chain = len(chains)
-            chains.append(Chain(label="main", first_seq=c.seq))
-        chains[info.chain].calls.append(i)
-
+        _join_chain(info, node, pos, root, recs, infos, chains, i)
         attach = node
-        if pos < x.shape[0]:
-            env = Node(x[pos:], pos, node, i, False)
+        if pos < rec.x.shape[0]:
+            env = Node(rec.x[pos:], pos, node, i, False)
             node.children.append(env)
             attach = env
-        out = Node(y, int(x.shape[0]), attach, i, True, rec.lp)
+        out = Node(rec.y, int(rec.x.shape[0]), attach, i, True, rec.lp)
         attach.children.append(out)
         info.out_end = out
         infos.append(info)
 
     relabelled: Counter[str] = Counter()
     label_calls(recs, infos, chains, relabelled)
+    tokens_total = sum(int(r.x.shape[0] + r.y.shape[0]) for r in recs)
     stats, invalid = filter_tree(settled, infos, chains, options, dropped, tokens_total)
     tree = RolloutTree(settled, root, infos, chains, stats, dict(relabelled), invalid)
-    log.debug(
-        "tree_built",
-        rollout=settled.request.rollout_id,
-        calls=stats.calls,
-        leaves=stats.leaves,
-        kept_leaves=stats.kept_leaves,
-        invalid=invalid,
-    )
+    log.debug("tree_built", rollout=settled.request.rollout_id, calls=stats.calls, leaves=stats.leaves,
+              kept_leaves=stats.kept_leaves, invalid=invalid)
     return tree
+
+
+def _attach_point(root: Node, recs: list[_Rec], infos: list[CallInfo], i: int) -> tuple[Node, int]:
+    """Where call i's input leaves the tree: (the node the match ends in, the matched length)."""
+    x = recs[i].x
+    # Start from the best of a few recent histories: usually the previous call, which x extends entirely.
+    # Equal matches: prefer a history x extends entirely (the walk continues below it), then the latest.
+    best_l, best_full, best_j = 0, False, -1
+    for j in range(i - 1, max(-1, i - 1 - _CANDIDATES), -1):
+        hist_len = infos[j].input_len + infos[j].output_len
+        if hist_len < best_l or (hist_len == best_l and best_full):
+            continue
+        m = _history_lcp(x, recs[j].x, recs[j].y)
+        if (m, m == hist_len) > (best_l, best_full):
+            best_l, best_full, best_j = m, m == hist_len, j
+    node: Node = root
+    if best_j >= 0:
+        node = infos[best_j].out_end  # type: ignore[assignment]
+        while node is not root and node.end > best_l:
+            node = node.parent  # type: ignore[assignment]
+    return _walk_down(node, x, node.end)
+
+
+def _join_chain(info: CallInfo, node: Node, pos: int, root: Node, recs: list[_Rec], infos: list[CallInfo],
+                chains: list[Chain], i: int) -> None:
+    """Which chain call i continues (the nearest output on its matched path, a retried first turn, a known
+    rewrite), or a new one."""
+    x = recs[i].x
+    t: Node | None = node
+    while t is not None and t is not root and not t.trainable:
+        t = t.parent
+    if t is not None and t is not root:
+        info.parent_call = t.call
+        info.n_calls = infos[t.call].n_calls + 1
+        info.chain = infos[t.call].chain
+        if infos[t.call].out_end is t:
+            info.extends = t.call
+    elif pos == x.shape[0] and (sib := [ch for ch in node.children if ch.trainable]):
+        # Same input as an earlier root call: a retried first turn.
+        info.chain = infos[sib[-1].call].chain
+    elif (j := next((j for j in range(i - 1, max(-1, i - 1 - _CANDIDATES), -1)
+                     if _dropped_trailing_turn(x, recs[j], recs[max(0, j - 3):j])), -1)) >= 0:
+        info.parent_call, info.rewrite = j, "dropped_trailing_turn"
+        info.n_calls = infos[j].n_calls + 1
+        info.chain = infos[j].chain
+        infos[j].continued = True
+    else:
+        info.chain = len(chains)
+        chains.append(Chain(label="main", first_seq=recs[i].call.seq))
+    chains[info.chain].calls.append(i)
