@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import signal
 import time
 import uuid
@@ -129,8 +131,11 @@ RESUMES_FILE = "resumes.json"  # how often the run was resumed: re-issued groups
 
 
 def find_resume(run_dir: Path) -> Resume:
-    ckpts = sorted((run_dir / "checkpoints").glob("step*"))
-    ckpts = [c for c in ckpts if (c / "learner_state.json").is_file()]  # a checkpoint cut by a crash is skipped
+    # A checkpoint is renamed into place whole (Learner.save_checkpoint); one cut by a crash is a ``.tmp`` folder.
+    ckpts = sorted(c for c in (run_dir / "checkpoints").glob("step*")
+                   if re.fullmatch(r"step\d{5}", c.name) and (c / "learner_state.json").is_file())
+    for cut in (run_dir / "checkpoints").glob("step*.tmp"):
+        shutil.rmtree(cut, ignore_errors=True)
     if not ckpts:
         raise cfg.ConfigError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
     last = ckpts[-1]

@@ -303,12 +303,20 @@ class Learner:
         pruned from the weights folder by then) is written once per RL stage, beside the checkpoints, as
         ``reference-v<first version>/``, and each checkpoint names it."""
         out = Path(directory)
-        self.accelerator.save_state(str(out))
+        # Written under a temporary name and renamed whole: a kill -9 mid-save leaves a ``.tmp`` folder that resume
+        # ignores, never a checkpoint folder with a half-written file in it.
+        tmp = out.with_name(out.name + ".tmp")
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(tmp))
         if self.accelerator.is_main_process:
             state = {"step": self.step, "version": self.version, "extra": extra or {}}
             if self.reference is not None:
                 state["reference"] = self._save_reference(out.parent).name
-            (out / STATE_FILE).write_text(json.dumps(state))
+            (tmp / STATE_FILE).write_text(json.dumps(state))
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
         self.accelerator.wait_for_everyone()
         _log().info("checkpoint_saved", path=str(out), step=self.step, version=self.version)
         return out

@@ -390,3 +390,31 @@ def test_a_checkpoint_without_its_reference_is_refused_when_kl_is_on(tmp_path):
     b = _learner(tiny_qwen3(8), lr=1e-2, kl_coef=0.1)
     with pytest.raises(FileNotFoundError, match="names no KL reference policy"):
         b.load_checkpoint(tmp_path / "step00001")
+
+
+def test_a_checkpoint_appears_whole_and_a_cut_one_is_never_resumed(tmp_path, monkeypatch):
+    """kill -9 during save_checkpoint must not leave a step folder that looks complete: the run's resume picked a
+    folder whose learner_state.json existed but was still empty (CI, JSONDecodeError)."""
+    from types import SimpleNamespace
+
+    from pipeline.cli.launch import find_resume
+    from pipeline.training import learner as learner_mod
+
+    a = _learner(tiny_qwen3(8), lr=1e-2)
+    ckpts = tmp_path / "checkpoints"
+    a.save_checkpoint(ckpts / "step00001", extra={"steps_done": 1})
+
+    class Killed(Exception):
+        pass
+
+    def killed(*_args, **_kw):
+        raise Killed  # the folder as a kill -9 at that instant leaves it
+
+    monkeypatch.setattr(learner_mod, "json", SimpleNamespace(dumps=killed))
+    with pytest.raises(Killed):
+        a.save_checkpoint(ckpts / "step00002", extra={"steps_done": 2})
+    assert not (ckpts / "step00002").exists() and (ckpts / "step00002.tmp").is_dir()
+
+    res = find_resume(tmp_path)
+    assert res.checkpoint == ckpts / "step00001" and res.steps_done == 1
+    assert not (ckpts / "step00002.tmp").exists()  # the cut one is cleared away
