@@ -55,6 +55,9 @@ class TaskSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return ""
 
 
+GREEDY_TEMPERATURE = 1e-6  # below it engines decode greedily (SGLang's rule, kept by the embedded engine)
+
+
 class SchedulerSettings(Section):
     """``[scheduler]``: what to roll out. Steps, groups per step and the staleness bound are in ``[run]``."""
 
@@ -94,6 +97,12 @@ class SchedulerSettings(Section):
                 f"{exp.source}: [{name}].max_new_tokens = {self.max_new_tokens} leaves no room for a prompt within "
                 f"[{proxy[0]}].context_len = {proxy[1].context_len}; lower the first or raise the second")
         learner = exp.kind_section("learner")
+        if learner is not None and exp.run.steps > 0 and self.temperature < GREEDY_TEMPERATURE:
+            raise ConfigError(
+                f"{exp.source}: [{name}].temperature = {self.temperature:g} is greedy decoding: the engine's "
+                f"log-probabilities then describe no sampling distribution, so [{learner[0]}] cannot score them "
+                "(the loss would be NaN); train at a temperature > 0, and decode greedily only where nothing is "
+                "trained (--serve)")
         if (learner is not None and self.group_size < 2 and learner[1].train.advantage == "grpo"
                 and exp.run.steps > 0):
             raise ConfigError(

@@ -143,6 +143,9 @@ def test_cross_section_checks_name_both_fields():
     with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].group_size = 1 .*\[learner.train\].advantage"):
         quickstart(["scheduler.group_size=1"])
     quickstart(["scheduler.group_size=1", 'learner.train.advantage="ppo"'])  # PPO needs no group
+    with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].temperature = 0 is greedy .*\[learner\] cannot"):
+        quickstart(["scheduler.temperature=0"])
+    quickstart(["scheduler.temperature=0", "run.steps=0"])  # nothing trained: greedy is fine
     with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].tasks: task folder '/no/such' does not exist"):
         quickstart(['scheduler.tasks.tasks="/no/such"'])
     with pytest.raises(cfg.ConfigError, match=r"unknown built-in task families \['nope'\]"):
