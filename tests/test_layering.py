@@ -21,7 +21,8 @@ ALLOWED = {
     "models": {"core", "messages", "tokens", "rollout", "harness_images"},
     "serving": {"core", "messages", "tokens", "models"},
     "monitor": {"core", "messages"},
-    "cli": {"core", "messages", "tokens", "rollout", "trees", "training", "models", "serving", "monitor"},
+    "eval": {"core", "messages", "tokens", "rollout", "trees"},
+    "cli": {"core", "messages", "tokens", "rollout", "trees", "training", "models", "serving", "monitor", "eval"},
 }
 
 
