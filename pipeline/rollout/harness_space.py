@@ -31,9 +31,12 @@ __all__ = [
     "CANONICAL_TOOLS",
     "COMPONENTS",
     "LEVELS",
+    "PUBLISHED_HELD_OUT",
+    "PUBLISHED_TRAINING",
     "REALIZATIONS",
     "HarnessConfig",
     "all_configs",
+    "design",
     "held_out_configs",
     "locality_assignment",
     "offered_tools",
@@ -127,6 +130,33 @@ def orthogonal_array(levels: int, factors: int) -> np.ndarray:
 def training_configs() -> list[HarnessConfig]:
     """The 18 training configurations: the strength-2 array with columns S, T, O, C, W in that order."""
     return [HarnessConfig.from_levels(row) for row in orthogonal_array(LEVELS, len(COMPONENTS))]
+
+
+# The sets the Harness Scaling paper trained and evaluated on (its Table 6 and Table 8), so its in-space vs
+# held-out comparison can be reproduced. The training set is a strength-2 orthogonal design like the generated one,
+# but a different one: the generated array contains S0T2O1C1W2, one of the published held-out configurations.
+PUBLISHED_TRAINING = (
+    "S0T0O0C0W0", "S0T1O1C1W1", "S0T2O2C2W2", "S1T0O0C1W1", "S1T1O1C2W2", "S1T2O2C0W0",
+    "S2T0O1C0W2", "S2T1O2C1W0", "S2T2O0C2W1", "S0T0O2C2W1", "S0T1O0C0W2", "S0T2O1C1W0",
+    "S1T0O1C2W0", "S1T1O2C0W1", "S1T2O0C1W2", "S2T0O2C1W2", "S2T1O0C2W0", "S2T2O1C0W1",
+)
+PUBLISHED_HELD_OUT = (
+    "S0T2O1C1W2", "S2T1O1C2W0", "S0T1O0C2W2", "S2T2O0C0W1", "S0T1O2C0W1", "S1T0O0C2W1",
+    "S0T0O0C1W2", "S0T0O1C0W1", "S0T2O2C2W0", "S1T0O1C1W0", "S1T0O2C2W2", "S1T1O0C0W0",
+    "S1T2O1C0W2", "S1T2O2C1W1", "S2T0O2C0W0", "S2T1O1C1W2", "S2T1O2C2W1", "S2T2O0C1W0",
+)
+
+
+def design(space: str = "published", seed: int = 0) -> tuple[list[HarnessConfig], list[HarnessConfig]]:
+    """(training, held-out) configurations: ``"published"`` (the paper's Tables 6 and 8, the default) or
+    ``"generated"`` (:func:`training_configs` and a disjoint translate of it, :func:`held_out_configs`)."""
+    if space == "published":
+        return ([HarnessConfig.parse(n) for n in PUBLISHED_TRAINING],
+                [HarnessConfig.parse(n) for n in PUBLISHED_HELD_OUT])
+    if space == "generated":
+        train = training_configs()
+        return train, held_out_configs(train, seed)
+    raise ValueError(f'harness space {space!r}: expected "published" or "generated"')
 
 
 def held_out_configs(training: Sequence[HarnessConfig], seed: int = 0) -> list[HarnessConfig]:

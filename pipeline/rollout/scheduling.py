@@ -27,7 +27,7 @@ import msgspec
 
 from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt, Section
 from pipeline.messages import RolloutRequest, SamplingParams
-from pipeline.rollout.harness_space import HarnessConfig, locality_assignment, tool_name_for, training_configs
+from pipeline.rollout.harness_space import HarnessConfig, design, locality_assignment, tool_name_for
 from pipeline.rollout.tasks import Task, load_task_dir
 
 Purpose = Literal["train", "eval", "sft"]
@@ -69,6 +69,9 @@ class SchedulerSettings(Section):
     harness: str = "whitebox:S0T0O0C0W0"
     harnesses: list[str] = msgspec.field(default_factory=list)  # mix mode
     k: PosInt = 2  # scaling mode: harnesses per task, over K successive steps
+    # scaling mode: the white-box configurations trained on (held-out ones are for evaluation): the paper's
+    # published sets, or the generated orthogonal array and a disjoint translate of it (harness_space.design)
+    space: Literal["published", "generated"] = "published"
     group_size: PosInt = 4
     max_groups_in_flight: PosInt = 4
     sft_groups: NonNegInt = 0  # oracle demonstration groups before training (cold-start SFT)
@@ -135,7 +138,8 @@ class Planner:
     """An endless, seeded stream of (task, harness) groups for training steps."""
 
     def __init__(self, tasks: list[Task], mode: Literal["single", "mix", "scaling"], harness: str,
-                 harnesses: list[str], k: int, groups_per_step: int, seed: int) -> None:
+                 harnesses: list[str], k: int, groups_per_step: int, seed: int,
+                 space: Literal["published", "generated"] = "published") -> None:
         if not tasks:
             raise ValueError("[scheduler]: the task source produced no tasks")
         self.tasks = tasks
@@ -146,7 +150,7 @@ class Planner:
         self.B = groups_per_step
         self.rng = random.Random(seed)
         self._order: list[Task] = []
-        self.training = training_configs() if mode == "scaling" else []
+        self.training = design(space, seed)[0] if mode == "scaling" else []
         self._blocks: list[list[tuple[Task, list[str]]]] = []
 
     def next_task(self) -> Task:

@@ -16,8 +16,11 @@ from pipeline.rollout import harness_space
 from pipeline.rollout.harness_space import (
     CANONICAL_TOOLS,
     COMPONENTS,
+    PUBLISHED_HELD_OUT,
+    PUBLISHED_TRAINING,
     HarnessConfig,
     all_configs,
+    design,
     held_out_configs,
     locality_assignment,
     offered_tools,
@@ -27,46 +30,8 @@ from pipeline.rollout.harness_space import (
 )
 
 # Harness Scaling, Table 6 (training set) and Table 8 (held-out set), as published.
-PAPER_TABLE_6 = [
-    "S0T0O0C0W0",
-    "S0T1O1C1W1",
-    "S0T2O2C2W2",
-    "S1T0O0C1W1",
-    "S1T1O1C2W2",
-    "S1T2O2C0W0",
-    "S2T0O1C0W2",
-    "S2T1O2C1W0",
-    "S2T2O0C2W1",
-    "S0T0O2C2W1",
-    "S0T1O0C0W2",
-    "S0T2O1C1W0",
-    "S1T0O1C2W0",
-    "S1T1O2C0W1",
-    "S1T2O0C1W2",
-    "S2T0O2C1W2",
-    "S2T1O0C2W0",
-    "S2T2O1C0W1",
-]
-PAPER_TABLE_8 = [
-    "S0T2O1C1W2",
-    "S2T1O1C2W0",
-    "S0T1O0C2W2",
-    "S2T2O0C0W1",
-    "S0T1O2C0W1",
-    "S1T0O0C2W1",
-    "S0T0O0C1W2",
-    "S0T0O1C0W1",
-    "S0T2O2C2W0",
-    "S1T0O1C1W0",
-    "S1T0O2C2W2",
-    "S1T1O0C0W0",
-    "S1T2O1C0W2",
-    "S1T2O2C1W1",
-    "S2T0O2C0W0",
-    "S2T1O1C1W2",
-    "S2T1O2C2W1",
-    "S2T2O0C1W0",
-]
+PAPER_TABLE_6 = list(PUBLISHED_TRAINING)
+PAPER_TABLE_8 = list(PUBLISHED_HELD_OUT)
 
 
 def pair_counts(array: np.ndarray, levels: int) -> set[int]:
@@ -215,6 +180,29 @@ def test_paper_table_8_is_balanced_but_not_orthogonal():
     assert all(Counter(paper[:, col].tolist()) == {0: 6, 1: 6, 2: 6} for col in range(5))
     assert len(pair_counts(paper, 3)) > 1
     assert not set(PAPER_TABLE_8) & set(PAPER_TABLE_6)
+
+
+def test_published_space_is_the_default_and_keeps_the_papers_held_out_set_out_of_training():
+    train, held = design()
+    assert [c.name for c in train] == PAPER_TABLE_6 and [c.name for c in held] == PAPER_TABLE_8
+    assert "S0T2O1C1W2" in PAPER_TABLE_8 and "S0T2O1C1W2" not in PAPER_TABLE_6
+    assert HarnessConfig.parse("S0T2O1C1W2") in training_configs()  # why the generated array is not the default
+    gen_train, gen_held = design("generated")
+    assert gen_train == training_configs() and not set(gen_train) & set(gen_held)
+    with pytest.raises(ValueError, match="'nope'"):
+        design("nope")
+
+
+def test_scaling_planner_trains_on_the_chosen_space_only():
+    from pipeline.rollout.scheduling import Planner
+    from pipeline.rollout.tasks import Task, TaskConfig
+
+    tasks = [Task(id=f"t{i}", path=f"/t{i}", instruction="x", config=TaskConfig()) for i in range(6)]
+    for space, (train, held) in (("published", design()), ("generated", design("generated"))):
+        p = Planner(tasks, "scaling", "", [], 2, 6, seed=1, space=space)
+        used = {a.harness.removeprefix("whitebox:") for s in range(40) for a in p.step(s)}
+        assert used <= {c.name for c in train} and not used & {c.name for c in held}
+        assert len(used) > 9
 
 
 def test_held_out_refuses_unbalanced_training():

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from pipeline.rollout.harness_space import HarnessConfig, training_configs
+from pipeline.rollout.harness_space import HarnessConfig, design
 from pipeline.rollout.scheduling import Planner, may_issue, oracle_script
 from pipeline.rollout.taskgen import generate_to
 
@@ -36,7 +36,7 @@ def test_mix_mode_pairs_each_task_with_each_harness(tasks):
 
 
 def test_scaling_mode_uses_k_nearest_training_configs_over_k_steps(tasks):
-    train = set(training_configs())
+    train = set(design()[0])  # the published training set, the default space
     p = Planner(tasks, "scaling", "", [], 2, 3, seed=3)
     s0, s1, s2 = p.step(0), p.step(1), p.step(2)
     assert [a.task.id for a in s0] == [a.task.id for a in s1]  # a block of K=2 steps shares its tasks
