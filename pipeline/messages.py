@@ -133,6 +133,35 @@ class CallTimings(msgspec.Struct, kw_only=True, omit_defaults=True):
     render_s: float = 0.0
 
 
+class ToolUse(msgspec.Struct, array_like=True):
+    """A tool call the policy made, as the proxy parsed it from the output: its name and its arguments, each string
+    value cut to :data:`TRACE_ARG_CHARS` characters (enough to name a path or a command; the output ids hold all)."""
+
+    name: str
+    args: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class ToolOutcome(msgspec.Struct, array_like=True):
+    """A tool result the harness sent back, and whether it was a failure (the protocol's flag, else the result's
+    text; pipeline.serving.trace)."""
+
+    name: str
+    error: bool
+
+
+TRACE_ARG_CHARS = 300
+
+
+class CallTrace(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a call did, in the harness's terms, for behavioural metrics (docs/evaluation.md): the tools its request
+    offered, the tool results the request carried since the previous assistant turn, and what the output was."""
+
+    offered: list[str] = msgspec.field(default_factory=list)
+    outcomes: list[ToolOutcome] = msgspec.field(default_factory=list)
+    output: Literal["tool_calls", "answer", "malformed", "empty"] = "empty"
+    uses: list[ToolUse] = msgspec.field(default_factory=list)
+
+
 class ModelCall(_Msg, kw_only=True):
     """Proxy -> Collector: one completed model call, exactly as the policy saw and produced it."""
 
@@ -150,6 +179,7 @@ class ModelCall(_Msg, kw_only=True):
     rendered_turns: int = 0  # assistant turns that had to be re-rendered from text
     model: str = ""
     timings: CallTimings | None = None
+    trace: CallTrace | None = None  # None in logs recorded before traces existed
 
 
 class CallFailed(_Msg, kw_only=True):

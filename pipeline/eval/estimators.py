@@ -60,20 +60,20 @@ def _check(n: int, c: int, k: int) -> None:
 
 
 class Estimate(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A mean over tasks with its 95 % interval; ``low``/``high`` are None when fewer than two tasks were scored
-    (there is no spread to measure), and ``mean`` is None when none was."""
+    """A mean over ``n`` units (tasks, (task, harness) pairs, rollouts or calls) with its 95 % interval;
+    ``low``/``high`` are None under two units (there is no spread to measure), ``mean`` is None with none."""
 
     mean: float | None
     low: float | None = None
     high: float | None = None
     se: float | None = None
-    tasks: int = 0
+    n: int = 0
 
     def text(self, digits: int = 3) -> str:
         if self.mean is None:
-            return "n/a (0 tasks)"
+            return "n/a (n=0)"
         if self.low is None or self.high is None:
-            return f"{self.mean:.{digits}f} (no CI: {self.tasks} task)"
+            return f"{self.mean:.{digits}f} (n=1, no CI)"
         return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
 
 
@@ -85,7 +85,7 @@ def mean_ci(values: Sequence[float], *, lo: float | None = 0.0, hi: float | None
         return Estimate(mean=None)
     m = math.fsum(values) / t
     if t < 2:
-        return Estimate(mean=m, tasks=t)
+        return Estimate(mean=m, n=t)
     var = math.fsum((v - m) ** 2 for v in values) / (t - 1)
     se = math.sqrt(var / t)
     low, high = m - Z95 * se, m + Z95 * se
@@ -93,7 +93,7 @@ def mean_ci(values: Sequence[float], *, lo: float | None = 0.0, hi: float | None
         low = max(lo, low)
     if hi is not None:
         high = min(hi, high)
-    return Estimate(mean=m, low=low, high=high, se=se, tasks=t)
+    return Estimate(mean=m, low=low, high=high, se=se, n=t)
 
 
 def paired_difference(a: dict[str, float], b: dict[str, float]) -> Estimate:

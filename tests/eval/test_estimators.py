@@ -48,14 +48,14 @@ def test_k_above_n_names_the_setting():
 def test_interval_from_the_spread_over_tasks():
     est = mean_ci([0.0, 1.0, 0.5, 0.5])
     sd = math.sqrt(((0.5**2) * 2) / 3)
-    assert est.mean == 0.5 and est.tasks == 4
+    assert est.mean == 0.5 and est.n == 4
     assert est.se == pytest.approx(sd / 2)
     assert est.low == pytest.approx(0.5 - Z95 * sd / 2) and est.high == pytest.approx(0.5 + Z95 * sd / 2)
     assert mean_ci([1.0, 1.0, 0.9]).high == 1.0  # clipped
 
 
 def test_no_interval_is_reported_as_missing_not_as_zero_width():
-    assert mean_ci([]).mean is None and mean_ci([]).text() == "n/a (0 tasks)"
+    assert mean_ci([]).mean is None and mean_ci([]).text() == "n/a (n=0)"
     one = mean_ci([1.0])
     assert one.mean == 1.0 and one.low is None and "no CI" in one.text()
 
@@ -64,5 +64,5 @@ def test_paired_difference_uses_common_tasks_only():
     a = {"t1": 1.0, "t2": 0.5, "t3": 1.0}
     b = {"t1": 0.5, "t2": 0.0, "t4": 0.0}
     d = paired_difference(a, b)
-    assert d.tasks == 2 and d.mean == pytest.approx(0.5) and d.se == 0.0
+    assert d.n == 2 and d.mean == pytest.approx(0.5) and d.se == 0.0
     assert d.low == pytest.approx(0.5)  # identical differences: no spread

@@ -39,7 +39,7 @@ def test_pairs_are_the_unit_and_infrastructure_failures_are_excluded():
 def test_a_pair_with_fewer_samples_than_k_is_left_out_of_that_k():
     rep = build_report([s("t1", "A", 1.0), s("t2", "A", 1.0), s("t2", "A", 0.0)], [1, 2])
     row = rep.row("overall", "all")
-    assert row.pass_at[1].tasks == 2 and row.pass_at[2].tasks == 1
+    assert row.pass_at[1].n == 2 and row.pass_at[2].n == 1
     assert row.pass_at[2].mean == 1.0
 
 
@@ -48,7 +48,7 @@ def test_nothing_measured_reads_n_a_not_100_percent(tmp_path):
     row = rep.row("overall", "all")
     assert row.pairs == 0 and row.pass_at[1].mean is None
     md = markdown(rep)
-    assert "n/a (0 tasks)" in md and "100" not in md
+    assert "n/a (n=0)" in md and "100" not in md
     paths = write(rep, tmp_path / "eval")
     assert [p.name for p in paths] == ["report.json", "report.md", "pass_at_k.png"]
     back = msgspec.json.decode(paths[0].read_bytes(), type=Report)
