@@ -30,6 +30,11 @@ EXAMPLES: list[tuple[str, str]] = [
     ("python run.py --replay LOG --trees --json", "the same as one JSON object"),
     ("python run.py --replay LOG --stage trees", "rebuild the trees; compares their hashes"),
     ("python run.py --replay LOG --stage learner", "rerun the updates; compares the batch hashes"),
+    ("python run.py --eval --experiment quickstart --checkpoint RUN_DIR",
+     "evaluate a run's final policy on held-out tasks: pass@k, pass^k, behaviour (no learner)"),
+    ("python run.py --eval --experiment quickstart", "evaluate [run].model (here the untrained base policy)"),
+    ("python run.py --compare EVAL_A EVAL_B", "two evaluations side by side, differences paired over common pairs"),
+    ("python run.py --replay LOG --eval", "every evaluation round of a recorded run, recomputed from its log"),
     ("python run.py --build-images", "build the Docker sandbox images (needs a Docker engine)"),
 ]
 EPILOG = (
@@ -107,6 +112,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Code and Codex images; idempotent; needs a running Docker engine and, for the npm harnesses, "
         "BRIDLE_HARNESS_BIN (see harness_images/ci_setup.sh)",
     )
+    p.add_argument(
+        "--eval",
+        action="store_true",
+        help="with --experiment: evaluate a policy with the experiment's evaluator ([eval]), proxy, sandboxes and "
+        "verifiers and no learner; writes <run>/eval/report.json, report.md and a chart (docs/evaluation.md); with "
+        "--replay LOG: recompute every evaluation round of that run from its log",
+    )
+    p.add_argument("--model", metavar="DIR", help="with --eval: the policy to evaluate (a Hugging Face folder)")
+    p.add_argument("--checkpoint", metavar="RUN_DIR",
+                   help="with --eval: evaluate that training run's final policy (its newest weights folder) and "
+                   "never on its training or demonstration tasks")
+    p.add_argument("--compare", nargs=2, metavar=("EVAL_A", "EVAL_B"),
+                   help="print two evaluations' pass@k and mean reward and their difference A - B with a 95 %% "
+                   "interval, paired over the (task, harness) pairs both measured")
     p.add_argument("--validate", action="store_true", help="check the experiment file and exit")
     p.add_argument("--no-watch", action="store_true", help="do not watch the experiment file for changes")
     p.add_argument(
@@ -135,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return build_images([])
     try:
+        if args.compare:
+            from pipeline.cli.evaluate import compare
+
+            print(compare(Path(args.compare[0]), Path(args.compare[1])))
+            return 0
         if args.replay:
             return replay(args, resolve)
         if args.resume:
@@ -167,6 +191,12 @@ def replay(args: argparse.Namespace, resolve: Resolver) -> int:
     log_path = Path(args.replay)
     if log_path.is_dir():
         log_path = log_path / "events.msgpack"
+    if args.eval:
+        from pipeline.cli import evaluate
+
+        results = evaluate.replay_rounds(log_path)
+        print(evaluate.replay_json(results) if args.json else evaluate.replay_text(results))
+        return 0
     if args.trees:
         from pipeline.cli import tree_report
 
@@ -215,6 +245,13 @@ def run(args: argparse.Namespace, resolve: Resolver) -> int:
 
     path = cfg.resolve_experiment_path(args.experiment)
     exp = cfg.load_experiment(path, resolve, args.overrides)
+    if args.eval:
+        from pipeline.cli.evaluate import eval_experiment
+
+        exp, policy = eval_experiment(exp, resolve, model=args.model, checkpoint=args.checkpoint)
+    elif args.model or args.checkpoint:
+        print("run.py: --model and --checkpoint go with --eval", file=sys.stderr)
+        return 2
     if args.validate:
         print(f"{path}: ok ({len(exp.graph.actors)} actors)")
         return 0
@@ -226,8 +263,13 @@ def run(args: argparse.Namespace, resolve: Resolver) -> int:
 
         anyio.run(launch.serve, exp, resolve, rd, announce)
         return 0
-    anyio.run(lambda: launch.run_experiment(exp, resolve, rd, config_path=None if args.no_watch else path))
+    watch = None if args.no_watch or args.eval else path  # an evaluation's graph is derived: nothing to watch
+    anyio.run(lambda: launch.run_experiment(exp, resolve, rd, config_path=watch))
     logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
+    if args.eval:
+        report = rd.path / "eval" / "report.md"
+        print(report.read_text() if report.is_file() else f"no report was written ({report})")
+        print(f"evaluated {policy}; reports in {rd.path / 'eval'}")
     return 0
 
 

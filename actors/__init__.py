@@ -10,4 +10,5 @@ REGISTRY: dict[str, str] = {
     "tree": "actors.tree:TreeBuilder",
     "learner": "actors.learner:LearnerActor",
     "monitor": "actors.monitor:Monitor",
+    "evaluator": "actors.evaluator:Evaluator",
 }

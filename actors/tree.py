@@ -24,8 +24,8 @@ class TreeBuilder(Actor[TreeSettings]):
     async def run(self) -> None:
         grouper = Grouper(self._options, self.config.sft_pack)
         async for msg in self.messages():
-            if not isinstance(msg, SettledRollout):
-                continue
+            if not isinstance(msg, SettledRollout) or msg.request.purpose == "eval":
+                continue  # evaluation rollouts are measured (the evaluator), never trained
             done = grouper.add(msg)
             if done is None:
                 continue

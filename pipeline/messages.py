@@ -77,6 +77,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     seed: int | None = None
 
 
+class EvalTag(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What an evaluation rollout measures, so an evaluation can be recomputed from the event log alone."""
+
+    step: int = -1  # the RL step whose policy is evaluated (-1: a standalone evaluation, run.py --eval)
+    column: Literal["in-space", "held-out", "out-of-space", "custom"] = "custom"
+    family: str = ""  # the task's family (task.toml [metadata] family)
+    oracle_steps: int = 0  # the task's reference solution in calls, for step efficiency (0: none)
+
+
 class RolloutRequest(_Msg, kw_only=True):
     """Scheduler -> SandboxPool (and Proxy, which learns the token from it). One rollout of one group."""
 
@@ -98,6 +107,7 @@ class RolloutRequest(_Msg, kw_only=True):
     # purpose "sft": how many demonstration rollouts the cold start issues in all, so the tree builder knows when
     # its last (possibly partial) pack is complete and how many packs the learner must wait for.
     demonstrations: int = 0
+    eval: EvalTag | None = None  # purpose "eval": what the rollout measures
 
 
 # ---------------------------------------------------------------------------------------------- the proxy
@@ -335,6 +345,7 @@ MetricKind = Literal[
     "tree",  # tree builder, one group built: tree_* statistics, group_dropped
     "settle",  # collector, one rollout settled: settled, settle_timeouts, late_records, duplicate_records
     "weight_sync",  # proxy, the engine loaded new weights: weight_update_s, policy_version
+    "eval",  # evaluator, one evaluation round; step = the RL step evaluated (-1 standalone): pass@k, behaviour
     "other",  # anything else (toy graphs); the default, so that logs written before kinds existed decode
 ]
 

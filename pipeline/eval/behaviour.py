@@ -26,6 +26,7 @@ import msgspec
 
 from pipeline.eval.estimators import Estimate, mean_ci
 from pipeline.messages import CallTrace, SettledRollout, ToolUse
+from pipeline.rollout.harness_space import CANONICAL_TOOLS, HarnessConfig, tool_name_for
 
 Role = Literal["write", "edit", "read", "shell", "other"]
 RoleOf = Callable[[str], Role]  # a harness's tool name -> what the tool does
@@ -53,6 +54,31 @@ class Behaviour(msgspec.Struct, kw_only=True):
     def values(self) -> dict[str, float]:
         """The measured means (missing ones left out), for metrics.jsonl."""
         return {m: e.mean for m in METRICS if (e := getattr(self, m)).mean is not None}
+
+
+# The white-box harness's canonical tools; its T realizations rename them (tool_name_for).
+_CANONICAL_ROLES: dict[str, Role] = {"write_file": "write", "edit_file": "edit", "read_file": "read", "bash": "shell",
+                                     "python": "shell"}
+# The black-box harnesses' own tool names (as their pinned versions offer them; docs/harnesses.md).
+_BLACK_BOX_ROLES: dict[str, dict[str, Role]] = {
+    "claude-code": {"Write": "write", "Edit": "edit", "MultiEdit": "edit", "NotebookEdit": "edit", "Read": "read",
+                    "Bash": "shell"},
+    "codex": {"exec_command": "shell", "shell": "shell", "apply_patch": "edit"},
+    "qwen-code": {"write_file": "write", "edit": "edit", "replace": "edit", "read_file": "read",
+                  "read_many_files": "read", "run_shell_command": "shell"},
+    "openclaw": {"write": "write", "edit": "edit", "apply_patch": "edit", "read": "read", "exec": "shell"},
+}
+
+
+def tool_roles(harness: str) -> RoleOf:
+    """What each of ``harness``'s tools does (write, edit, read, shell, other)."""
+    name, _, variant = harness.partition(":")
+    if name == "whitebox":
+        cfg = HarnessConfig.parse(variant or "S0T0O0C0W0")
+        table = {tool_name_for(cfg, c): _CANONICAL_ROLES.get(c, "other") for c in CANONICAL_TOOLS}
+    else:
+        table = _BLACK_BOX_ROLES.get(name, {})
+    return lambda tool: table.get(tool, "other")
 
 
 def target(use: ToolUse) -> str:
@@ -92,7 +118,7 @@ def _verified(uses: list[tuple[ToolUse, Role]]) -> bool | None:
     return False
 
 
-def behaviour(rollouts: Iterable[SettledRollout], role_of: Callable[[str], RoleOf], *,
+def behaviour(rollouts: Iterable[SettledRollout], role_of: Callable[[str], RoleOf] = tool_roles, *,
               succeeded: Callable[[SettledRollout], bool], oracle_steps: Callable[[str], int | None]) -> Behaviour:
     """The five metrics over ``rollouts``. ``role_of(harness)`` maps that harness's tool names to roles;
     ``succeeded`` says whether a rollout counts as a success; ``oracle_steps(task_id)`` is the length of the task's

@@ -77,9 +77,21 @@ class Estimate(msgspec.Struct, kw_only=True, omit_defaults=True):
         return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
 
 
+def wilson(p: float, n: int) -> tuple[float, float]:
+    """Wilson's 95 % score interval for a proportion ``p`` of ``n`` units."""
+    z2 = Z95 * Z95
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return centre - half, centre + half
+
+
 def mean_ci(values: Sequence[float], *, lo: float | None = 0.0, hi: float | None = 1.0) -> Estimate:
     """Mean of per-task values with a normal 95 % interval from their standard error, clipped to [lo, hi]
-    (pass rates cannot leave [0, 1]; pass None for an unbounded quantity such as a paired difference)."""
+    (pass rates cannot leave [0, 1]; pass None for an unbounded quantity such as a paired difference).
+
+    For a rate in [0, 1] the interval also covers Wilson's score interval of the mean over the same number of
+    units: when every task scored 0 (or 1) the spread is 0, and the normal interval alone would claim certainty
+    (0 of 4 tasks reads [0, 0.49], not [0, 0])."""
     t = len(values)
     if t == 0:
         return Estimate(mean=None)
@@ -89,6 +101,9 @@ def mean_ci(values: Sequence[float], *, lo: float | None = 0.0, hi: float | None
     var = math.fsum((v - m) ** 2 for v in values) / (t - 1)
     se = math.sqrt(var / t)
     low, high = m - Z95 * se, m + Z95 * se
+    if lo == 0.0 and hi == 1.0 and 0.0 <= m <= 1.0:
+        w_low, w_high = wilson(m, t)
+        low, high = min(low, w_low), max(high, w_high)
     if lo is not None:
         low = max(lo, low)
     if hi is not None:

@@ -45,10 +45,21 @@ class Row(msgspec.Struct, kw_only=True):
     pass_hat: dict[int, Estimate]
 
 
+class Pair(msgspec.Struct, kw_only=True, frozen=True):
+    """One (task, harness) pair's valid samples, so two evaluations can be compared pair by pair."""
+
+    task_id: str
+    harness: str
+    n: int
+    successes: int
+    mean_reward: float
+
+
 class Report(msgspec.Struct, kw_only=True):
     ks: list[int]
     threshold: float  # a sample succeeds when its reward is at least this
     rows: list[Row]
+    pairs: list[Pair] = msgspec.field(default_factory=list)
     policy: str = ""  # what was evaluated: a model folder or a run's checkpoint
     step: int = -1  # the training step, for evaluations during training
 
@@ -67,11 +78,11 @@ def build_report(samples: Iterable[Sample], ks: list[int], *, threshold: float =
             by[getattr(s, attr)].append(s)
         scopes += [(scope, key, by[key]) for key in sorted(by)]  # type: ignore[misc]
     return Report(ks=sorted(set(ks)), threshold=threshold, policy=policy, step=step,
-                  rows=[_row(scope, key, group, ks, threshold) for scope, key, group in scopes])
+                  rows=[_row(scope, key, group, ks, threshold) for scope, key, group in scopes],
+                  pairs=_pairs(samples, threshold))
 
 
-def _row(scope: Literal["overall", "column", "harness", "family"], key: str, group: list[Sample], ks: list[int],
-         threshold: float) -> Row:
+def _valid_by_pair(group: Iterable[Sample]) -> tuple[dict[tuple[str, str], list[Sample]], int]:
     pairs: dict[tuple[str, str], list[Sample]] = defaultdict(list)
     excluded = 0
     for s in group:
@@ -79,8 +90,24 @@ def _row(scope: Literal["overall", "column", "harness", "family"], key: str, gro
             excluded += 1
         else:
             pairs[(s.task_id, s.harness)].append(s)
+    return pairs, excluded
+
+
+def _success(s: Sample, threshold: float) -> bool:
+    return s.status == "ok" and s.reward >= threshold
+
+
+def _pairs(samples: list[Sample], threshold: float) -> list[Pair]:
+    pairs, _ = _valid_by_pair(samples)
+    return [Pair(task_id=t, harness=h, n=len(ps), successes=sum(_success(s, threshold) for s in ps),
+                 mean_reward=sum(s.reward for s in ps) / len(ps)) for (t, h), ps in sorted(pairs.items())]
+
+
+def _row(scope: Literal["overall", "column", "harness", "family"], key: str, group: list[Sample], ks: list[int],
+         threshold: float) -> Row:
+    pairs, excluded = _valid_by_pair(group)
     rewards = [sum(s.reward for s in ps) / len(ps) for ps in pairs.values()]
-    counts = [(len(ps), sum(s.reward >= threshold and s.status == "ok" for s in ps)) for ps in pairs.values()]
+    counts = [(len(ps), sum(_success(s, threshold) for s in ps)) for ps in pairs.values()]
     return Row(
         scope=scope, key=key, pairs=len(pairs), rollouts=sum(n for n, _ in counts), excluded=excluded,
         mean_reward=mean_ci(rewards, lo=None, hi=None),

@@ -103,3 +103,13 @@ def test_step_efficiency_is_capped_and_needs_an_oracle():
     r = rollout("f", [call(0, output="answer")])
     assert measure([r], oracle=3).step_efficiency.mean == 1.0
     assert measure([r], oracle=None).step_efficiency.mean is None
+
+
+def test_tool_roles_follow_each_harness_and_the_white_box_t_level():
+    from pipeline.eval.behaviour import tool_roles
+
+    assert tool_roles("whitebox:S0T0O0C0W0")("write_file") == "write"
+    assert tool_roles("whitebox:S1T2O0C0W0")("tool_k2") == "write"  # T2's opaque id for write_file
+    assert tool_roles("whitebox:S1T2O0C0W0")("write_file") == "other"  # not offered under T2
+    assert tool_roles("claude-code")("Edit") == "edit" and tool_roles("codex")("exec_command") == "shell"
+    assert tool_roles("qwen-code")("run_shell_command") == "shell" and tool_roles("openclaw")("read") == "read"

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.eval.estimators import Z95, mean_ci, paired_difference, pass_at_k, pass_hat_k
+from pipeline.eval.estimators import Z95, mean_ci, paired_difference, pass_at_k, pass_hat_k, wilson
 
 
 def test_hand_computed_values():
@@ -46,12 +46,23 @@ def test_k_above_n_names_the_setting():
 
 
 def test_interval_from_the_spread_over_tasks():
-    est = mean_ci([0.0, 1.0, 0.5, 0.5])
+    est = mean_ci([0.0, 1.0, 0.5, 0.5], lo=None, hi=None)
     sd = math.sqrt(((0.5**2) * 2) / 3)
     assert est.mean == 0.5 and est.n == 4
     assert est.se == pytest.approx(sd / 2)
     assert est.low == pytest.approx(0.5 - Z95 * sd / 2) and est.high == pytest.approx(0.5 + Z95 * sd / 2)
+    rate = mean_ci([0.0, 1.0, 0.5, 0.5])  # as a rate: the wider of the normal and Wilson intervals
+    w_low, w_high = wilson(0.5, 4)
+    assert (rate.low, rate.high) == (pytest.approx(min(est.low, w_low)), pytest.approx(max(est.high, w_high)))
     assert mean_ci([1.0, 1.0, 0.9]).high == 1.0  # clipped
+
+
+def test_no_spread_is_not_certainty():
+    zero = mean_ci([0.0] * 4)
+    assert zero.low == 0.0 and zero.high == pytest.approx(Z95**2 / (4 + Z95**2))  # Wilson: 0 of 4
+    assert mean_ci([1.0] * 4).low == pytest.approx(4 / (4 + Z95**2))
+    assert mean_ci([0.0] * 400).high < 0.01  # many tasks: tight
+    assert paired_difference({"a": 0.5, "b": 0.5}, {"a": 0.5, "b": 0.5}).high == 0.0  # unbounded: no Wilson
 
 
 def test_no_interval_is_reported_as_missing_not_as_zero_width():

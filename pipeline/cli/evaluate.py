@@ -1,0 +1,128 @@
+"""``run.py --eval``: evaluate a policy through an experiment's own proxy, sandboxes and verifiers, with no learner;
+``run.py --replay LOG --eval``: every evaluation round of a recorded run, recomputed from its event log alone; and
+``run.py --compare A B``: two evaluations of the same tasks, per (task, harness) pair (docs/evaluation.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from pipeline.core import config as cfg
+from pipeline.core.eventlog import EventLogReader
+from pipeline.core.runtime import Resolver
+from pipeline.eval.estimators import paired_difference, pass_at_k
+from pipeline.eval.report import Report
+from pipeline.eval.run import RoundResult, finish, metric_values, rounds_from_log, text
+from pipeline.messages import SettledRollout
+
+# What an evaluation runs of an experiment's graph: everything else (scheduler, tree builder, learner) is left out.
+EVAL_KINDS = ("evaluator", "proxy", "sandbox", "collector", "monitor")
+
+
+def latest_weights(run_dir: Path) -> Path:
+    """The newest complete weights folder a training run published (its final policy)."""
+    from pipeline.training.learner import WEIGHTS_INFO_FILE
+
+    done = [d for d in (run_dir / "weights").glob("v*") if (d / WEIGHTS_INFO_FILE).is_file()]
+    if not done:
+        raise cfg.ConfigError(f"--checkpoint {run_dir}: no complete weights folder in {run_dir / 'weights'} (a run "
+                              "publishes one after its cold start and after every RL step)")
+    return max(done, key=lambda d: int(json.loads((d / WEIGHTS_INFO_FILE).read_text())["version"]))
+
+
+def eval_experiment(exp: cfg.Experiment, resolve: Resolver, *, model: str | None = None,
+                    checkpoint: str | None = None) -> tuple[cfg.Experiment, str]:
+    """The experiment's evaluation graph and what it evaluates: its evaluator, proxy, sandboxes and collector
+    (and monitor), run until the evaluator's one round is done (``[run].steps = 0``)."""
+    ev = exp.kind_section("evaluator")
+    if ev is None:
+        raise cfg.ConfigError(f"{exp.source}: --eval needs an actor of kind \"evaluator\" in [graph].actors and its "
+                              "section (configs/quickstart.toml has one: [eval])")
+    raw: dict[str, Any] = exp.to_dict()
+    keep = {n for n, k in exp.graph.actors.items() if k in EVAL_KINDS}
+    graph = raw["graph"]
+    graph["actors"] = {n: k for n, k in graph["actors"].items() if n in keep}
+    graph["edges"] = [e for e in graph["edges"] if all(p.strip().split(".")[0] in keep for p in e.split("->"))]
+    graph["stop_after"] = [ev[0]]
+    graph["inbox_sizes"] = {n: v for n, v in graph.get("inbox_sizes", {}).items() if n in keep}
+    for name in list(raw):
+        if name in exp.graph.actors and name not in keep:
+            del raw[name]
+    raw["run"]["steps"] = 0
+    if checkpoint:
+        run_dir = Path(checkpoint)
+        raw["run"]["model"] = str(latest_weights(run_dir))
+        raw[ev[0]]["exclude"] = [*raw[ev[0]].get("exclude", []),
+                                 *(str(run_dir / d) for d in ("tasks", "sft_tasks") if (run_dir / d).is_dir())]
+    elif model:
+        raw["run"]["model"] = model
+    raw["experiment"]["name"] = f"{exp.name}-eval"
+    out = cfg.load_experiment(raw, resolve)
+    out.source = f"{exp.source} (--eval)"
+    _require_edges(out, ev[0])
+    return out, out.run.model
+
+
+def _edges(exp: cfg.Experiment) -> list[tuple[str, str, str]]:
+    return exp.graph.parsed_edges()
+
+
+def _require_edges(exp: cfg.Experiment, ev: str) -> None:
+    have = {(s, o, d) for s, o, d in _edges(exp)}
+    proxy = next(n for n, k in exp.graph.actors.items() if k == "proxy")
+    collector = next((n for n, k in exp.graph.actors.items() if k == "collector"), None)
+    need = [(ev, "requests", proxy)] + ([(collector, "settled", ev)] if collector else [])
+    missing = [f"{s}.{o} -> {d}" for s, o, d in need if (s, o, d) not in have]
+    if missing:
+        raise cfg.ConfigError(f"{exp.source}: the evaluation graph needs the edges {missing} in [graph].edges")
+
+
+# ------------------------------------------------------------------------------------------------ replay
+def replay_rounds(log_path: Path) -> list[RoundResult]:
+    """Every evaluation round of a recorded run, recomputed from the log (its recorded [eval] ks and threshold)."""
+    reader = EventLogReader(log_path)
+    conf = msgspec.to_builtins(reader.header.config)
+    ev = next((n for n, k in conf.get("graph", {}).get("actors", {}).items() if k == "evaluator"), None)
+    sec = conf.get(ev, {}) if ev else {}
+    ks, threshold = sec.get("ks", [1]), float(sec.get("threshold", 1.0))
+    settled = [e.msg for e in reader if isinstance(e.msg, SettledRollout)]
+    return [finish(rs, ks, threshold, step=step) for step, rs in rounds_from_log(settled).items()]
+
+
+def replay_text(results: list[RoundResult]) -> str:
+    if not results:
+        return "no evaluation rollouts in this log"
+    return "\n".join(text(r) for r in results)
+
+
+def replay_json(results: list[RoundResult]) -> str:
+    return msgspec.json.encode([{"step": r.report.step, "values": metric_values(r), "report": r.report,
+                                 "behaviour": r.behaviour} for r in results]).decode()
+
+
+# ------------------------------------------------------------------------------------------------ compare
+def load_report(where: Path) -> Report:
+    path = next((p for p in (where / "eval" / "report.json", where / "report.json", where) if p.is_file()), None)
+    if path is None:
+        raise cfg.ConfigError(f"--compare: no report.json in {where} (give an evaluation's run folder or its eval/)")
+    return msgspec.json.decode(path.read_bytes(), type=Report)
+
+
+def compare(a: Path, b: Path) -> str:
+    """pass@k of two evaluations and their difference, paired over the (task, harness) pairs both measured."""
+    ra, rb = load_report(a), load_report(b)
+    lines = [f"A = {a}", f"B = {b}", "", "| metric | A | B | A - B over common pairs |", "| --- | --- | --- | --- |"]
+    for k in sorted(set(ra.ks) & set(rb.ks)):
+        per = [{f"{p.task_id}|{p.harness}": pass_at_k(p.n, p.successes, k) for p in r.pairs if p.n >= k}
+               for r in (ra, rb)]
+        d = paired_difference(per[0], per[1])
+        ea, eb = (r.row("overall", "all").pass_at[k] for r in (ra, rb))
+        lines.append(f"| pass@{k} | {ea.text()} | {eb.text()} | {d.text()} (n={d.n}) |")
+    mr = paired_difference({f"{p.task_id}|{p.harness}": p.mean_reward for p in ra.pairs},
+                           {f"{p.task_id}|{p.harness}": p.mean_reward for p in rb.pairs})
+    lines.append(f"| mean reward | {ra.row('overall', 'all').mean_reward.text()} | "
+                 f"{rb.row('overall', 'all').mean_reward.text()} | {mr.text()} (n={mr.n}) |")
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""Finishing an evaluation round: the report (pass@k, pass^k, mean reward, behavioural metrics) from its settled
+rollouts, the files it writes and the numbers that go to metrics.jsonl. Also used by ``run.py --replay LOG --eval``,
+which rebuilds every round of a recorded run from its event log alone."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import msgspec
+
+from pipeline.eval.behaviour import Behaviour, behaviour
+from pipeline.eval.report import Report, Sample, build_report, markdown, write
+from pipeline.messages import SettledRollout
+
+
+class RoundResult(msgspec.Struct, kw_only=True):
+    report: Report
+    behaviour: Behaviour
+    versions: list[int]  # the policy versions that sampled the round's tokens (weights can land mid-round)
+
+
+def samples(rollouts: Iterable[SettledRollout]) -> list[Sample]:
+    return [Sample(task_id=r.request.task_id, family=r.request.eval.family if r.request.eval else "",
+                   harness=r.request.harness, column=r.request.eval.column if r.request.eval else "custom",
+                   status=r.finished.status, reward=r.finished.reward, rollout_id=r.request.rollout_id)
+            for r in rollouts]
+
+
+def finish(rollouts: list[SettledRollout], ks: list[int], threshold: float, *, step: int = -1,
+           policy: str = "") -> RoundResult:
+    report = build_report(samples(rollouts), ks, threshold=threshold, policy=policy, step=step)
+    beh = behaviour(rollouts, succeeded=lambda r: r.finished.status == "ok" and r.finished.reward >= threshold,
+                    oracle_steps=_oracle_steps(rollouts))
+    versions = sorted({s.version for r in rollouts for c in r.calls for s in c.versions})
+    return RoundResult(report=report, behaviour=beh, versions=versions)
+
+
+def _oracle_steps(rollouts: list[SettledRollout]) -> Callable[[str], int | None]:
+    steps = {r.request.task_id: r.request.eval.oracle_steps for r in rollouts if r.request.eval}
+    return lambda task_id: steps.get(task_id) or None
+
+
+def metric_values(res: RoundResult) -> dict[str, float]:
+    """Flat numbers for metrics.jsonl and the plots: overall and per-column pass@k / pass^k, mean reward, counts,
+    behavioural metrics. Nothing measured means the key is absent, never a 0."""
+    out: dict[str, float] = {}
+    for row in res.report.rows:
+        if row.scope not in ("overall", "column"):
+            continue
+        prefix = "" if row.scope == "overall" else f"{row.key}/"
+        out[f"{prefix}pairs"] = row.pairs
+        if row.mean_reward.mean is not None:
+            out[f"{prefix}mean_reward"] = row.mean_reward.mean
+        for k, e in row.pass_at.items():
+            if e.mean is not None:
+                out[f"{prefix}pass@{k}"] = e.mean
+        for k, e in row.pass_hat.items():
+            if e.mean is not None and k > 1:
+                out[f"{prefix}pass^{k}"] = e.mean
+    out["excluded"] = res.report.row("overall", "all").excluded if res.report.rows else 0
+    out.update(res.behaviour.values())
+    return out
+
+
+def write_round(res: RoundResult, out_dir: Path) -> list[Path]:
+    paths = write(res.report, out_dir)
+    beh = out_dir / "behaviour.json"
+    beh.write_bytes(msgspec.json.format(msgspec.json.encode(res.behaviour)))
+    with (out_dir / "report.md").open("a") as f:
+        f.write("\n## Behaviour (main-agent calls; docs/evaluation.md)\n\n| metric | value | n |\n| --- | --- | --- |\n")
+        for name in ("format_robustness", "error_recovery", "self_verification", "tool_coverage",
+                     "step_efficiency"):
+            e = getattr(res.behaviour, name)
+            f.write(f"| {name.replace('_', ' ')} | {e.text()} | {e.n} |\n")
+        f.write(f"\nPolicy versions that sampled this round: {res.versions or 'n/a'}\n")
+    return [*paths, beh]
+
+
+def rounds_from_log(rollouts: Iterable[SettledRollout]) -> dict[int, list[SettledRollout]]:
+    """The evaluation rollouts of a recorded run, by the step they evaluated."""
+    by: dict[int, list[SettledRollout]] = defaultdict(list)
+    for r in rollouts:
+        if r.request.purpose == "eval" and r.request.eval is not None:
+            by[r.request.eval.step].append(r)
+    return dict(sorted(by.items()))
+
+
+def text(res: RoundResult) -> str:
+    return markdown(res.report)
