@@ -16,6 +16,7 @@ def write_plots(metrics_path: Path, out_dir: Path) -> list[Path]:
     rows = load_metrics(metrics_path)
     rl = of_kind(rows, "rl_step")
     sft = of_kind(rows, "sft_update")
+    evals = [r for r in of_kind(rows, "eval") if r["step"] >= 0]
     panels = [
         ("reward", "reward (mean over the step's rollouts)", rl),
         ("pass_rate", "pass rate", rl),
@@ -49,4 +50,26 @@ def write_plots(metrics_path: Path, out_dir: Path) -> list[Path]:
         fig.savefig(q, dpi=90)
         plt.close(fig)
         written.append(q)
+    if evals:
+        written.append(_eval_plot(plt, evals, out_dir / "eval.png"))
     return written
+
+
+def _eval_plot(plt, evals: list[dict], path: Path) -> Path:
+    """pass@1 of each column (and overall) at each evaluated step; a column measured nowhere is not drawn."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for prefix, label in (("", "overall"), ("in-space/", "in-space"), ("held-out/", "held-out"),
+                          ("out-of-space/", "out-of-space"), ("custom/", "custom")):
+        pts = [(r["step"], r[f"{prefix}pass@1"]) for r in evals if f"{prefix}pass@1" in r]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o", ms=4, label=label)
+    ax.set_title("evaluation pass@1 (held-out tasks)")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -54,3 +54,17 @@ def test_nothing_measured_reads_n_a_not_100_percent(tmp_path):
     back = msgspec.json.decode(paths[0].read_bytes(), type=Report)
     assert back.row("overall", "all").excluded == 1
     assert paths[2].stat().st_size > 1000
+
+
+def test_eval_rounds_are_plotted_against_the_step(tmp_path):
+    import json
+
+    from pipeline.monitor.plots import write_plots
+
+    rows = [{"t": 0, "source": "eval", "kind": "eval", "step": s, "pass@1": 0.1 * s, "held-out/pass@1": 0.05 * s}
+            for s in (0, 2, 4)]
+    rows.append({"t": 0, "source": "eval", "kind": "eval", "step": -1, "pass@1": 0.9})  # standalone: not a step
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    written = write_plots(tmp_path / "metrics.jsonl", tmp_path)
+    assert [p.name for p in written] == ["plots.png", "eval.png"]
+    assert (tmp_path / "eval.png").stat().st_size > 1000
