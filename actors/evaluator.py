@@ -1,7 +1,7 @@
 """Evaluator actor (``[eval]``): issues evaluation rounds through the same proxy, sandboxes and verifiers as
 training, collects their settled rollouts and reports pass@k, pass^k and behavioural metrics (pipeline.eval).
 
-Standalone (``run.py --eval``, a run with no RL steps): one round of the served policy, then it returns. During
+Standalone (``run.py --eval``, ``[eval].standalone``): one round of the served policy, then it returns. During
 training (``every_steps = N``): a round after the cold start, after every N-th RL step and after the last one;
 with ``every_steps = 0`` it returns at once (pipeline.eval.plan.Rounds decides)."""
 
@@ -47,7 +47,7 @@ class Evaluator(Actor[EvalSettings]):
     async def _start(self) -> None:
         if self.rounds.current is not None or self.rounds.complete:
             return
-        if self.tasks is None and (self.rounds.steps == 0 or self.rounds.waiting):
+        if self.tasks is None and (self.config.standalone or self.rounds.waiting):
             # read only now: the scheduler has written this run's training tasks by the first policy update
             self.tasks = await anyio.to_thread.run_sync(self._held_out)
         if self.tasks is not None and (rnd := self.rounds.start(self.tasks)) is not None:

@@ -36,7 +36,7 @@ def latest_weights(run_dir: Path) -> Path:
 def eval_experiment(exp: cfg.Experiment, resolve: Resolver, *, model: str | None = None,
                     checkpoint: str | None = None) -> tuple[cfg.Experiment, str]:
     """The experiment's evaluation graph and what it evaluates: its evaluator, proxy, sandboxes and collector
-    (and monitor), run until the evaluator's one round is done (``[run].steps = 0``)."""
+    (and monitor), run until the evaluator's one round is done (``[eval].standalone``)."""
     ev = exp.kind_section("evaluator")
     if ev is None:
         raise cfg.ConfigError(f"{exp.source}: --eval needs an actor of kind \"evaluator\" in [graph].actors and its "
@@ -52,13 +52,18 @@ def eval_experiment(exp: cfg.Experiment, resolve: Resolver, *, model: str | None
         if name in exp.graph.actors and name not in keep:
             del raw[name]
     raw["run"]["steps"] = 0
+    raw[ev[0]]["standalone"] = True
     if checkpoint:
         run_dir = Path(checkpoint)
         raw["run"]["model"] = str(latest_weights(run_dir))
         raw[ev[0]]["exclude"] = [*raw[ev[0]].get("exclude", []),
                                  *(str(run_dir / d) for d in ("tasks", "sft_tasks") if (run_dir / d).is_dir())]
     elif model:
+        if not (Path(model) / "config.json").is_file():
+            raise cfg.ConfigError(f"--model {model}: not a Hugging Face model folder (no config.json)")
         raw["run"]["model"] = model
+    if checkpoint or model:
+        raw["experiment"].pop("build_model", None)  # evaluate the policy given, never build one in its place
     raw["experiment"]["name"] = f"{exp.name}-eval"
     out = cfg.load_experiment(raw, resolve)
     out.source = f"{exp.source} (--eval)"

@@ -47,6 +47,8 @@ class EvalSettings(Section):
     ks: list[PosInt] = msgspec.field(default_factory=lambda: [1])  # pass@k and pass^k for each k <= samples
     threshold: float = 1.0  # a rollout succeeds when its status is ok and its reward is at least this
     every_steps: NonNegInt = 0  # during training: a round after every N RL steps and after the cold start
+    # set by run.py --eval (a graph with no learner): one round of the served policy at once, then stop
+    standalone: bool = False
     max_groups_in_flight: PosInt = 4
     temperature: PosFloat = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
@@ -71,7 +73,11 @@ class EvalSettings(Section):
                     raise ConfigError(
                         f"{exp.source}: [{name}].tasks is [{sched[0]}].{label}: evaluation tasks must be held out "
                         "(another folder, or the built-in families with another seed)")
-        if self.every_steps and "learner" in exp.graph.actors.values() and name not in exp.graph.stop_after:
+        has_learner = "learner" in exp.graph.actors.values()
+        if self.standalone and has_learner:
+            raise ConfigError(f"{exp.source}: [{name}].standalone evaluates the served policy once; it is set by "
+                              "run.py --eval, whose graph has no learner")
+        if self.every_steps and has_learner and name not in exp.graph.stop_after:
             raise ConfigError(f"{exp.source}: [{name}].every_steps = {self.every_steps}: add {name!r} to "
                               "[graph].stop_after, or the run ends before its last evaluation round")
 
@@ -191,19 +197,19 @@ def plan_round(step: int, tasks: list[Task], s: EvalSettings, version: int = 0) 
 
 @dataclass
 class Rounds:
-    """Which policy is evaluated when. A run with no RL steps (``run.py --eval``): one round of the served policy,
-    at once. During training: with ``every_steps = N``, a round after the cold start (the learner's step-0
-    update), after every N-th RL step and after the last step; with ``every_steps = 0``, none. One round at a time;
-    later ones wait. Pure bookkeeping: the actor feeds it and sends."""
+    """Which policy is evaluated when. Standalone (``run.py --eval``): one round of the served policy, at once.
+    During training: with ``every_steps = N``, a round after the cold start (the learner's step-0 update), after
+    every N-th RL step and after the last step; with ``every_steps = 0``, none. One round at a time; later ones
+    wait. Pure bookkeeping: the actor feeds it and sends."""
 
     settings: EvalSettings
-    steps: int  # the run's RL steps (0: a standalone evaluation)
+    steps: int  # the run's RL steps
     current: Round | None = None
     waiting: list[tuple[int, int]] = field(default_factory=list)  # (step, version)
     complete: bool = False
 
     def __post_init__(self) -> None:
-        self.complete = self.steps > 0 and not self.settings.every_steps
+        self.complete = not self.settings.standalone and not self.settings.every_steps
 
     def updated(self, step: int, version: int) -> bool:
         """The learner published the policy of ``step``; True when it is to be evaluated."""
@@ -217,7 +223,7 @@ class Rounds:
         """The next round to issue, if none is running and one is due."""
         if self.current is not None or self.complete:
             return None
-        if self.steps == 0:
+        if self.settings.standalone:
             self.current = plan_round(-1, tasks, self.settings)
         elif self.waiting:
             step, version = self.waiting.pop(0)

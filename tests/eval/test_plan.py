@@ -86,6 +86,8 @@ def test_eval_checks_name_the_fields():
         quickstart([*base, 'eval.tasks={tasks="builtin:create_word", count=40, seed=1000}'])
     with pytest.raises(cfg.ConfigError, match=r"add 'eval' to \[graph\].stop_after"):
         quickstart([*base, "eval.every_steps=5"])
+    with pytest.raises(cfg.ConfigError, match=r"\[eval\].standalone .* set by run.py --eval"):
+        quickstart(["eval.standalone=true"])
     with pytest.raises(cfg.ConfigError, match=r"\[eval\]: nothing to evaluate"):
         quickstart(["eval.harnesses=[]"])
 
@@ -106,7 +108,7 @@ def test_rounds_standalone_and_during_training(tmp_path):
 
     tasks = generate_to(tmp_path / "t", "create_word", 2, seed=5)
     assert Rounds(EvalSettings(harnesses=["codex"]), steps=30).complete  # training without periodic eval
-    alone = Rounds(EvalSettings(harnesses=["codex"], samples=1, every_steps=3), steps=0)
+    alone = Rounds(EvalSettings(harnesses=["codex"], samples=1, every_steps=3, standalone=True), steps=30)
     rnd = alone.start(tasks)
     assert rnd.step == -1 and alone.start(tasks) is None  # one at a time
     assert _settle_round(alone, rnd) is rnd and alone.complete and alone.start(tasks) is None
