@@ -336,8 +336,12 @@ def materialize(task: TaskSpec | Task, dest: str | Path) -> Task:
     _write_tree(dest / "environment", task.environment)
     _write_tree(dest / "environment" / WORKSPACE_SUBDIR, task.workspace)
     _write_tree(dest / "tests", task.tests)
+    # What would give the answers away is readable by this user only: a verifier's child process that runs as
+    # another uid (see taskgen/check_template.py) must not find them on a shared host.
+    (dest / "tests").chmod(0o700)
     if task.solution:
         _write_tree(dest / "solution", task.solution)
+        (dest / "solution").chmod(0o700)
     return load_task(dest)
 
 
