@@ -102,6 +102,15 @@ async def test_verifier_without_reward_is_verifier_error(tmp_path):
     assert fin.details == "test.sh wrote neither logs/verifier/reward.txt nor reward.json (test.sh exit code 0)"
 
 
+async def test_harness_output_swapped_for_a_link_is_not_followed(tmp_path):
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("HOST-SECRET")
+    task = variant(tmp_path, "swap", solve=f'echo visible\nln -sf {secret} "$BRIDLE_WORKSPACE/../logs/harness.txt"\nexit 3')
+    fin = await LocalBackend().run(request("oracle", task), task, proxy_url="http://127.0.0.1:9")
+    assert fin.status == "harness_error" and "HOST-SECRET" not in fin.details, fin.details
+    assert "harness.txt could not be read" in fin.details
+
+
 async def test_missing_harness_binary_is_sandbox_error(tmp_path):
     task = materialize(generate("create_file", 0), tmp_path / "task")
     b = LocalBackend(LocalSettings(harness_bin=str(tmp_path)))
