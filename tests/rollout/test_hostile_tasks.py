@@ -13,6 +13,8 @@ Each task is a built-in one (bugfix: hidden checks call workspace functions; cre
   is not in the details, the event log, the run directory nor the rubric judge's workspace snapshot;
 - (d) ``sitecustomize.py``, ``usercustomize.py``, ``conftest.py``, ``unittest.py``, ``json.py``, ``os.py``, a
   ``.pth`` file and ``python3`` / ``bash`` executables left in the workspace carry the attack of (a): reward 0;
+- confinement: the fixed module plus a probe that breaks its import unless it runs without BRIDLE_* variables,
+  without fork, and (as root, and in Docker) as uid 65534 unable to read tests/ or write logs/verifier/;
 - honest: the task's own fix, with the module readable by its owner only and harmless shadowing files beside it,
   still scores 1.
 
