@@ -222,7 +222,7 @@ class RolloutFinished(_Msg, kw_only=True):
     reward: float = 0.0
     rewards: dict[str, float] = msgspec.field(default_factory=dict)  # named parts, e.g. rule / rubric
     exit_code: int | None = None
-    details: str = ""  # error text or verifier output tail
+    details: str = ""  # bridle's verdict summary or error text (a harness failure: also the harness's output tail)
     timings: RolloutTimings = msgspec.field(default_factory=RolloutTimings)
 
 

@@ -180,37 +180,58 @@ def _parse_actions(raw: Any, where: str, problems: list[str]) -> list[OracleActi
     return actions
 
 
+def _read_config(root: Path, problems: list[str]) -> TaskConfig:
+    toml_path = root / "task.toml"
+    if not toml_path.is_file():
+        problems.append('task.toml is missing; create it (it may be as small as `version = "1.0"`)')
+        return TaskConfig()
+    try:
+        raw = tomllib.loads(toml_path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        problems.append(f"task.toml: not valid TOML ({e}); fix the syntax")
+        return TaskConfig()
+    try:
+        return msgspec.convert(raw, TaskConfig)
+    except msgspec.ValidationError as e:
+        problems.append(_field_error("task.toml", e))
+        return TaskConfig()
+
+
+def _read_instruction(root: Path, problems: list[str]) -> str:
+    ipath = root / "instruction.md"
+    if not ipath.is_file():
+        problems.append("instruction.md is missing; write the agent's instruction into it")
+        return ""
+    instruction = ipath.read_text(encoding="utf-8")
+    if not instruction.strip():
+        problems.append("instruction.md is empty; write the agent's instruction into it")
+    return instruction
+
+
+def _read_actions(root: Path, config: TaskConfig, problems: list[str]) -> list[OracleAction] | None:
+    sol = root / "solution"
+    if sol.is_dir() and not (sol / "solve.sh").is_file() and not (sol / "actions.json").is_file():
+        problems.append("solution/ has neither solve.sh nor actions.json; add one or remove solution/")
+    if "oracle_actions" in config.metadata:
+        return _parse_actions(config.metadata["oracle_actions"], "task.toml [metadata] oracle_actions", problems)
+    if not (sol / "actions.json").is_file():
+        return None
+    try:
+        raw_actions = json.loads((sol / "actions.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        problems.append(f"solution/actions.json: not valid JSON ({e}); fix the file")
+        return None
+    return _parse_actions(raw_actions, "solution/actions.json", problems)
+
+
 def load_task(path: str | Path) -> Task:
     """Load and validate one task folder; raise :class:`TaskError` listing every problem found."""
     root = Path(path)
     if not root.is_dir():
         raise TaskError(root, [f"{root} does not exist or is not a directory; pass a task folder"])
     problems: list[str] = []
-
-    config = TaskConfig()
-    toml_path = root / "task.toml"
-    if not toml_path.is_file():
-        problems.append('task.toml is missing; create it (it may be as small as `version = "1.0"`)')
-    else:
-        try:
-            raw = tomllib.loads(toml_path.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            problems.append(f"task.toml: not valid TOML ({e}); fix the syntax")
-        else:
-            try:
-                config = msgspec.convert(raw, TaskConfig)
-            except msgspec.ValidationError as e:
-                problems.append(_field_error("task.toml", e))
-
-    instruction = ""
-    ipath = root / "instruction.md"
-    if not ipath.is_file():
-        problems.append("instruction.md is missing; write the agent's instruction into it")
-    else:
-        instruction = ipath.read_text(encoding="utf-8")
-        if not instruction.strip():
-            problems.append("instruction.md is empty; write the agent's instruction into it")
-
+    config = _read_config(root, problems)
+    instruction = _read_instruction(root, problems)
     if not (root / "environment").is_dir():
         problems.append(
             "environment/ is missing; create it with a Dockerfile and/or environment/app/ holding the "
@@ -221,23 +242,7 @@ def load_task(path: str | Path) -> Task:
             "tests/test.sh is missing; it must run the checks and write a number to "
             "${BRIDLE_LOGS:-/logs}/verifier/reward.txt"
         )
-
-    actions: list[OracleAction] | None = None
-    sol = root / "solution"
-    if "oracle_actions" in config.metadata:
-        actions = _parse_actions(
-            config.metadata["oracle_actions"], "task.toml [metadata] oracle_actions", problems
-        )
-    elif (sol / "actions.json").is_file():
-        try:
-            raw_actions = json.loads((sol / "actions.json").read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            problems.append(f"solution/actions.json: not valid JSON ({e}); fix the file")
-        else:
-            actions = _parse_actions(raw_actions, "solution/actions.json", problems)
-    if sol.is_dir() and not (sol / "solve.sh").is_file() and not (sol / "actions.json").is_file():
-        problems.append("solution/ has neither solve.sh nor actions.json; add one or remove solution/")
-
+    actions = _read_actions(root, config, problems)
     if problems:
         raise TaskError(root, problems)
     return Task(id=root.name, path=str(root), instruction=instruction, config=config, oracle_actions=actions)
@@ -331,8 +336,12 @@ def materialize(task: TaskSpec | Task, dest: str | Path) -> Task:
     _write_tree(dest / "environment", task.environment)
     _write_tree(dest / "environment" / WORKSPACE_SUBDIR, task.workspace)
     _write_tree(dest / "tests", task.tests)
+    # What would give the answers away is readable by this user only: a verifier's child process that runs as
+    # another uid (see taskgen/check_template.py) must not find them on a shared host.
+    (dest / "tests").chmod(0o700)
     if task.solution:
         _write_tree(dest / "solution", task.solution)
+        (dest / "solution").chmod(0o700)
     return load_task(dest)
 
 

@@ -1,30 +1,36 @@
 """Verifiers on the local backend: run a task's ``tests/test.sh`` over a finished workspace, read the reward.
 
-The contract is Harbor's (``reference/harbor-tasks.md``): only after the harness has exited, ``tests/`` is copied
-into a fresh directory the harness never saw, ``logs/verifier/`` is emptied (so nothing planted there counts),
+The contract is Harbor's (``docs/rollout.md``): only after the harness has exited, ``tests/`` is copied into a
+fresh directory the harness never saw, ``logs/verifier/`` is emptied (so nothing planted there counts),
 ``bash test.sh`` runs from the workspace under the verifier timeout in its own process group (the whole group is
 killed afterwards, so stragglers cannot outlive it), and the reward is read from ``logs/verifier/reward.txt`` or
 ``reward.json``. Scripts find the directories through ``BRIDLE_WORKSPACE``, ``BRIDLE_TESTS``, ``BRIDLE_LOGS``
 and ``BRIDLE_SOLUTION``.
 
+What the sandbox wrote is read through :mod:`pipeline.rollout.untrusted` (no links followed, size caps) and never
+quoted into errors: :meth:`VerifierResult.summary` and ``error`` are bridle's own words. ``stdout_tail`` (test.sh's
+output, control characters removed) is for a person at a terminal, never for ``RolloutFinished.details``.
+
 An optional rubric judge (any OpenAI-compatible ``/chat/completions`` endpoint) scores the workspace against
 the task's rubric; the reward is then ``(1 - w) * rule + w * rubric`` (w = 0.3 by default).
 
-This runs scripts as the current user: it isolates the verifier from the harness in time, not by a security
-boundary. Use the Docker backend for untrusted policies.
+test.sh runs as the current user: the local backend isolates the verifier from the harness in time, not by a
+security boundary. The built-in tasks' checker adds one where it can (a child process as another uid when run as
+root; see ``pipeline/rollout/taskgen/check_template.py``). Use the Docker backend for untrusted policies.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
+from contextlib import suppress
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +41,17 @@ import msgspec
 
 from pipeline.core.logs import get_logger
 from pipeline.rollout.tasks import OracleAction, Task
+from pipeline.rollout.untrusted import (
+    RewardError,
+    UntrustedFileError,
+    fresh_dir,
+    printable,
+    read_reward,
+    read_under,
+    walk_files,
+)
+
+__all__ = ["RewardError", "read_reward"]  # re-exported: where the verifiers' callers have always found them
 
 log = get_logger(component="verify")
 
@@ -47,38 +64,40 @@ class VerifierResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     reward: float = 0.0
     rewards: dict[str, float] = msgspec.field(default_factory=dict)  # rule, rubric, and named parts
     exit_code: int | None = None
-    stdout_tail: str = ""
-    error: str = ""  # why status is verifier_error
+    stdout_tail: str = ""  # test.sh's output, for a person; never put into RolloutFinished.details
+    error: str = ""  # why status is verifier_error, in bridle's words (no byte of what the sandbox wrote)
     duration_s: float = 0.0
+
+    def summary(self) -> str:
+        """One line about the verdict for ``RolloutFinished.details``: bridle's words only."""
+        return summarize(self.reward, self.rewards, self.exit_code) if self.status == "ok" else self.error
+
+
+def summarize(reward: float, rewards: dict[str, float], exit_code: int | None) -> str:
+    """``reward 1 (rule 1); test.sh exit code 0``: a verdict in bridle's words (part names are checked plain names)."""
+    parts = ", ".join(f"{k} {v:g}" for k, v in sorted(rewards.items()))
+    return f"reward {reward:g} ({parts}); test.sh exit code {exit_code}"
 
 
 class ScriptResult(msgspec.Struct, kw_only=True):
     exit_code: int | None  # None when it timed out
     timed_out: bool
-    output_tail: str
-
-
-class RewardError(ValueError):
-    pass
+    output_tail: str  # control characters removed
 
 
 # ------------------------------------------------------------------------------------------ processes
 def _kill_group(pgid: int) -> None:
-    try:
+    with suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
-def _tail(path: Path, limit: int = TAIL_CHARS) -> str:
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - limit * 4))
-            return f.read().decode("utf-8", "replace")[-limit:]
-    except FileNotFoundError:
-        return ""
+def _tail_of(f: Any, limit: int = TAIL_CHARS) -> str:
+    """The end of the open file ``f`` (read through the descriptor the host wrote with: a link put in its place
+    later is not followed)."""
+    f.flush()
+    size = f.seek(0, os.SEEK_END)
+    f.seek(max(0, size - limit * 4))
+    return printable(f.read().decode("utf-8", "replace")[-limit:])
 
 
 def script_env(
@@ -109,11 +128,14 @@ def script_env(
 
 
 async def run_script(
-    argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float, output: Path
+    argv: list[str], *, cwd: Path, env: dict[str, str], limit_s: float, output: Path
 ) -> ScriptResult:
-    """Run ``argv`` in its own process group with stdout+stderr to ``output``; kill the group when done."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open("wb") as out:
+    """Run ``argv`` in its own process group with stdout+stderr to ``output`` (a new file); after ``limit_s``
+    seconds, or when it exits, kill the group."""
+    fd = await anyio.to_thread.run_sync(
+        partial(os.open, output, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    )
+    with os.fdopen(fd, "w+b") as out:
         proc = await anyio.open_process(
             argv,
             cwd=cwd,
@@ -124,57 +146,16 @@ async def run_script(
             start_new_session=True,
         )
         try:
-            with anyio.move_on_after(timeout) as scope:
+            with anyio.move_on_after(limit_s) as scope:
                 await proc.wait()
         finally:
             # Also on normal exit: background children of the script must not outlive it.
             _kill_group(proc.pid)
             with anyio.CancelScope(shield=True):
                 await proc.wait()
+        tail = await anyio.to_thread.run_sync(_tail_of, out)
     timed_out = scope.cancelled_caught
-    return ScriptResult(
-        exit_code=None if timed_out else proc.returncode, timed_out=timed_out, output_tail=_tail(output)
-    )
-
-
-# ---------------------------------------------------------------------------------------------- reward
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RewardError(f"{where}: expected a number, got {value!r}")
-    x = float(value)
-    if not math.isfinite(x):
-        raise RewardError(f"{where}: reward must be finite, got {x}")
-    return x
-
-
-def read_reward(verifier_dir: Path) -> tuple[float, dict[str, float]]:
-    """Read ``reward.txt`` (one number) or else ``reward.json`` (``{"reward": x, ...}`` or named parts).
-
-    With reward.json and no ``reward`` key the reward is the mean of the named parts.
-    """
-    txt = verifier_dir / "reward.txt"
-    js = verifier_dir / "reward.json"
-    if txt.is_file():
-        raw = txt.read_text(encoding="utf-8", errors="replace").strip()
-        try:
-            value = float(raw)
-        except ValueError:
-            raise RewardError(f"reward.txt: expected one number, got {raw[:80]!r}") from None
-        return _number(value, "reward.txt"), {}
-    if js.is_file():
-        try:
-            data = json.loads(js.read_text(encoding="utf-8", errors="replace"))
-        except json.JSONDecodeError as e:
-            raise RewardError(f"reward.json: not valid JSON ({e})") from None
-        if isinstance(data, (int, float)) and not isinstance(data, bool):
-            return _number(data, "reward.json"), {}
-        if not isinstance(data, dict) or not data:
-            raise RewardError('reward.json: expected an object like {"reward": 1.0}')
-        parts = {str(k): _number(v, f"reward.json key {k!r}") for k, v in data.items()}
-        if "reward" in parts:
-            return parts.pop("reward"), parts
-        return sum(parts.values()) / len(parts), parts
-    raise RewardError("test.sh wrote neither logs/verifier/reward.txt nor reward.json")
+    return ScriptResult(exit_code=None if timed_out else proc.returncode, timed_out=timed_out, output_tail=tail)
 
 
 # ------------------------------------------------------------------------------------------------ judge
@@ -202,28 +183,46 @@ JUDGE_SYSTEM = (
 
 
 def workspace_snapshot(workspace: Path, max_chars: int, max_file_chars: int) -> str:
-    """File list plus the head of each text file, capped at ``max_chars`` (what the judge sees)."""
+    """File list plus the head of each text file, capped at ``max_chars`` (what the judge sees).
+
+    Only the workspace's own regular files are read: a symbolic link (to a file elsewhere on this host, say) is
+    listed but never followed, nor is a file with other hard links; hidden files and ``__pycache__`` are left out.
+    """
     parts: list[str] = []
     used = 0
-    files = sorted(
-        p
-        for p in workspace.rglob("*")
-        if p.is_file()
-        and not any(s.startswith(".") or s == "__pycache__" for s in p.relative_to(workspace).parts)
-    )
-    for p in files:
-        rel = p.relative_to(workspace).as_posix()
-        try:
-            text = p.read_bytes()[: max_file_chars * 4].decode("utf-8")[:max_file_chars]
-            body = f"=== {rel} ===\n{text}\n"
-        except UnicodeDecodeError:
-            body = f"=== {rel} === (binary, {p.stat().st_size} bytes)\n"
+    files = [
+        (rel, st)
+        for rel, st in walk_files(workspace)
+        if not any(s.startswith(".") or s == "__pycache__" for s in rel.split("/"))
+    ]
+    for rel, st in files:
+        body = f"=== {rel} === ({_not_shown(st)}, not shown)\n" if _not_shown(st) else ""
+        if not body:
+            try:
+                data = read_under(workspace, rel, max_file_chars * 4, head=True)
+                text = data[: max_file_chars * 4].decode("utf-8")[:max_file_chars]
+                body = f"=== {rel} ===\n{text}\n"
+            except UnicodeDecodeError:
+                body = f"=== {rel} === (binary, {st.st_size} bytes)\n"
+            except (OSError, UntrustedFileError):
+                body = f"=== {rel} === (changed while read, not shown)\n"
         if used + len(body) > max_chars:
             parts.append(f"... {len(files) - len(parts)} more files not shown\n")
             break
         parts.append(body)
         used += len(body)
     return "".join(parts) or "(empty workspace)\n"
+
+
+def _not_shown(st: os.stat_result) -> str:
+    """Why a workspace entry's content is not shown to the judge ("" when it is)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "symbolic link"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_nlink > 1:
+        return "hard link"
+    return ""
 
 
 def parse_judge_score(content: str) -> tuple[float, str]:
@@ -308,10 +307,24 @@ def mix_rewards(rule: float, rubric: float, rubric_weight: float = DEFAULT_RUBRI
 
 
 # --------------------------------------------------------------------------------------------- verifier
+def _lay_out(task: Task, tmp: Path, logs_dir: str | Path | None) -> tuple[Path, Path]:
+    """(tests, logs) for one verification: a fresh copy of ``tests/`` in ``tmp`` (a private folder: 0700, so a
+    process of another uid cannot reach it) and an empty ``logs/verifier/`` (0700)."""
+    logs = Path(logs_dir).absolute() if logs_dir is not None else tmp / "logs"
+    if logs.is_symlink() or not logs.is_dir():
+        fresh_dir(logs)
+    fresh_dir(logs / "verifier", 0o700)
+    tests = tmp / "tests"
+    # Links inside the task's own tests/ are the task author's (trusted); they are kept as they are.
+    shutil.copytree(task.tests_dir, tests, symlinks=True)
+    (tmp / "home").mkdir()
+    return tests, logs
+
+
 async def run_verifier_local(
     task: Task,
     workspace: str | Path,
-    timeout: float | None = None,
+    timeout_s: float | None = None,
     *,
     logs_dir: str | Path | None = None,
     judge: RubricJudge | None = None,
@@ -323,101 +336,72 @@ async def run_verifier_local(
     ``logs_dir`` receives ``verifier/`` (reward, test-stdout.txt); a temporary one is used when omitted.
     With a ``judge`` and a task rubric, the reward is the weighted mix of rule and rubric scores.
     """
-    workspace = Path(workspace).resolve()
-    timeout = timeout if timeout is not None else task.config.verifier.timeout_sec
+    ws = Path(await anyio.Path(workspace).resolve())
+    limit_s = timeout_s if timeout_s is not None else task.config.verifier.timeout_sec
     t0 = time.monotonic()
-    if not workspace.is_dir():
-        return VerifierResult(status="verifier_error", error=f"workspace {workspace} does not exist")
+    if not await anyio.Path(ws).is_dir():
+        return VerifierResult(status="verifier_error", error=f"workspace {ws} does not exist")
     with tempfile.TemporaryDirectory(prefix="bridle-verify-") as tmp_s:
-        tmp = Path(tmp_s)
-        logs = Path(logs_dir).resolve() if logs_dir is not None else tmp / "logs"
-        vdir = logs / "verifier"
-        if vdir.exists():
-            shutil.rmtree(vdir)
-        vdir.mkdir(parents=True)
-        tests = tmp / "tests"
-        shutil.copytree(task.tests_dir, tests, symlinks=True)
-        (tmp / "home").mkdir()
-        env = script_env(workspace, tests=tests, logs=logs, home=tmp / "home", extra=task.config.verifier.env)
+        tests, logs = await anyio.to_thread.run_sync(_lay_out, task, Path(tmp_s), logs_dir)
+        env = script_env(ws, tests=tests, logs=logs, home=Path(tmp_s) / "home", extra=task.config.verifier.env)
         try:
-            res = await run_script(
-                ["bash", str(tests / "test.sh")],
-                cwd=workspace,
-                env=env,
-                timeout=timeout,
-                output=vdir / "test-stdout.txt",
-            )
+            res = await run_script(["bash", str(tests / "test.sh")], cwd=ws, env=env, limit_s=limit_s,
+                                   output=logs / "verifier" / "test-stdout.txt")
         except OSError as e:
-            return VerifierResult(status="verifier_error", error=f"could not start bash test.sh: {e}")
-        dur = time.monotonic() - t0
+            return VerifierResult(status="verifier_error", error=f"could not start bash test.sh: {e.strerror}")
+        done = partial(VerifierResult, exit_code=res.exit_code, stdout_tail=res.output_tail)
         if res.timed_out:
-            return VerifierResult(
-                status="verifier_error",
-                error=f"test.sh timed out after {timeout:g}s",
-                stdout_tail=res.output_tail,
-                duration_s=dur,
-            )
+            return done(status="verifier_error", error=f"test.sh timed out after {limit_s:g}s",
+                        duration_s=time.monotonic() - t0)
         try:
-            rule, parts = read_reward(vdir)
+            rule, parts = await anyio.to_thread.run_sync(read_reward, logs / "verifier")
         except RewardError as e:
-            return VerifierResult(
-                status="verifier_error",
-                error=f"{e} (test.sh exit code {res.exit_code})",
-                exit_code=res.exit_code,
-                stdout_tail=res.output_tail,
-                duration_s=dur,
-            )
+            return done(status="verifier_error", error=f"{e} (test.sh exit code {res.exit_code})",
+                        duration_s=time.monotonic() - t0)
     rewards = {**parts, "rule": rule}
     reward = rule
-    rubric = task.rubric
-    if judge is not None and rubric:
+    if judge is not None and task.rubric:
         try:
             score, reason = await judge.score(
-                instruction=task.instruction, rubric=rubric, workspace=workspace, transcript=transcript
+                instruction=task.instruction, rubric=task.rubric, workspace=ws, transcript=transcript
             )
         except JudgeError as e:
-            return VerifierResult(
-                status="verifier_error",
-                error=f"rubric judge failed: {e}",
-                rewards=rewards,
-                exit_code=res.exit_code,
-                stdout_tail=res.output_tail,
-                duration_s=time.monotonic() - t0,
-            )
+            return done(status="verifier_error", error=f"rubric judge failed: {e}", rewards=rewards,
+                        duration_s=time.monotonic() - t0)
         rewards["rubric"] = score
         reward = mix_rewards(rule, score, rubric_weight)
         log.info("judged", task=task.id, rule=rule, rubric=score, reason=reason[:200])
-    return VerifierResult(
-        status="ok",
-        reward=reward,
-        rewards=rewards,
-        exit_code=res.exit_code,
-        stdout_tail=res.output_tail,
-        duration_s=time.monotonic() - t0,
-    )
+    return done(status="ok", reward=reward, rewards=rewards, duration_s=time.monotonic() - t0)
 
 
 def run_verifier_local_sync(
-    task: Task, workspace: str | Path, timeout: float | None = None, **kw: Any
+    task: Task, workspace: str | Path, timeout_s: float | None = None, **kw: Any
 ) -> VerifierResult:
-    return anyio.run(partial(run_verifier_local, task, workspace, timeout, **kw))
+    return anyio.run(partial(run_verifier_local, task, workspace, timeout_s, **kw))
 
 
 # ----------------------------------------------------------------------------------------------- oracle
-async def run_solution_local(task: Task, workspace: str | Path, timeout: float | None = None) -> ScriptResult:
+def _oracle_dirs(task: Task, tmp: Path) -> Path:
+    import shutil
+
+    sol = tmp / "solution"
+    shutil.copytree(task.root / "solution", sol, symlinks=True)
+    (tmp / "home").mkdir()
+    return sol
+
+
+async def run_solution_local(task: Task, workspace: str | Path, timeout_s: float | None = None) -> ScriptResult:
     """Run ``solution/solve.sh`` over ``workspace`` (the oracle agent)."""
     if task.solve_sh is None:
         raise FileNotFoundError(f"task {task.id} has no solution/solve.sh")
-    workspace = Path(workspace).resolve()
-    timeout = timeout if timeout is not None else task.config.agent.timeout_sec
+    ws = Path(await anyio.Path(workspace).resolve())
+    limit_s = timeout_s if timeout_s is not None else task.config.agent.timeout_sec
     with tempfile.TemporaryDirectory(prefix="bridle-oracle-") as tmp_s:
         tmp = Path(tmp_s)
-        sol = tmp / "solution"
-        shutil.copytree(task.root / "solution", sol, symlinks=True)
-        (tmp / "home").mkdir()
-        env = script_env(workspace, tests=None, logs=tmp / "logs", home=tmp / "home", solution=sol)
+        sol = await anyio.to_thread.run_sync(_oracle_dirs, task, tmp)
+        env = script_env(ws, tests=None, logs=tmp / "logs", home=tmp / "home", solution=sol)
         return await run_script(
-            ["bash", str(sol / "solve.sh")], cwd=workspace, env=env, timeout=timeout, output=tmp / "out.txt"
+            ["bash", str(sol / "solve.sh")], cwd=ws, env=env, limit_s=limit_s, output=tmp / "out.txt"
         )
 
 
@@ -428,8 +412,26 @@ def _inside(workspace: Path, rel: str) -> Path:
     return p
 
 
+def _apply_file_action(ws: Path, i: int, a: OracleAction) -> str:
+    """One write_file / read_file / edit_file action on ``ws``; returns its result."""
+    if a.tool == "write_file":
+        p = _inside(ws, a.args["path"])
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(a.args["content"], encoding="utf-8")
+        return f"wrote {len(a.args['content'])} characters to {a.args['path']}"
+    if a.tool == "read_file":
+        return _inside(ws, a.args["path"]).read_text(encoding="utf-8")
+    p = _inside(ws, a.args["path"])
+    text = p.read_text(encoding="utf-8")
+    n = text.count(a.args["old"])
+    if n != 1:
+        raise ValueError(f"action {i}: edit_file old occurs {n} times in {a.args['path']}, need 1")
+    p.write_text(text.replace(a.args["old"], a.args["new"]), encoding="utf-8")
+    return f"edited {a.args['path']}"
+
+
 async def replay_actions_local(
-    actions: list[OracleAction], workspace: str | Path, timeout: float = 60.0
+    actions: list[OracleAction], workspace: str | Path, bash_timeout_s: float = 60.0
 ) -> list[str]:
     """Apply neutral tool calls to ``workspace`` with the reference semantics; return each call's result.
 
@@ -437,38 +439,20 @@ async def replay_actions_local(
     to the workspace, ``write_file`` creates parent directories, ``edit_file`` replaces ``old`` which must
     occur exactly once, ``bash`` runs in the workspace. Raises ``ValueError`` when an action cannot apply.
     """
-    ws = Path(workspace).resolve()
+    ws = Path(await anyio.Path(workspace).resolve())
     results: list[str] = []
     for i, a in enumerate(actions):
-        if a.tool == "write_file":
-            p = _inside(ws, a.args["path"])
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(a.args["content"], encoding="utf-8")
-            results.append(f"wrote {len(a.args['content'])} characters to {a.args['path']}")
-        elif a.tool == "read_file":
-            results.append(_inside(ws, a.args["path"]).read_text(encoding="utf-8"))
-        elif a.tool == "edit_file":
-            p = _inside(ws, a.args["path"])
-            text = p.read_text(encoding="utf-8")
-            n = text.count(a.args["old"])
-            if n != 1:
-                raise ValueError(f"action {i}: edit_file old occurs {n} times in {a.args['path']}, need 1")
-            p.write_text(text.replace(a.args["old"], a.args["new"]), encoding="utf-8")
-            results.append(f"edited {a.args['path']}")
-        else:
-            with tempfile.TemporaryDirectory(prefix="bridle-bash-") as tmp_s:
-                tmp = Path(tmp_s)
-                env = script_env(ws, tests=None, logs=tmp / "logs", home=tmp)
-                r = await run_script(
-                    ["bash", "-c", a.args["command"]],
-                    cwd=ws,
-                    env=env,
-                    timeout=timeout,
-                    output=tmp / "out.txt",
-                )
-            if r.exit_code != 0:
-                raise ValueError(
-                    f"action {i}: bash exited with {r.exit_code} (timed out: {r.timed_out}): {r.output_tail[-500:]}"
-                )
-            results.append(r.output_tail)
+        if a.tool != "bash":
+            results.append(await anyio.to_thread.run_sync(_apply_file_action, ws, i, a))
+            continue
+        with tempfile.TemporaryDirectory(prefix="bridle-bash-") as tmp_s:
+            tmp = Path(tmp_s)
+            env = script_env(ws, tests=None, logs=tmp / "logs", home=tmp)
+            r = await run_script(["bash", "-c", a.args["command"]], cwd=ws, env=env, limit_s=bash_timeout_s,
+                                 output=tmp / "out.txt")
+        if r.exit_code != 0:
+            raise ValueError(
+                f"action {i}: bash exited with {r.exit_code} (timed out: {r.timed_out}): {r.output_tail[-500:]}"
+            )
+        results.append(r.output_tail)
     return results

@@ -34,7 +34,7 @@ from pipeline.rollout.tasks import Task, materialize
 pytestmark = pytest.mark.anyio
 
 EXIT0 = HarnessExit(timed_out=False, exit_code=0)
-PASS = Verdict(reward=1.0, rewards={"rule": 1.0}, output="verifier: all passed")
+PASS = Verdict(reward=1.0, rewards={"rule": 1.0}, summary="verifier: all passed")
 ALL = ["prepare", "launch", "wait", "logs", "release", "verify", "cleanup"]
 HANG = object()  # a hook scripted with this waits until cancelled
 
@@ -147,7 +147,7 @@ async def test_exit_0_is_ok_with_the_verifiers_reward(task):
 
 
 async def test_exit_0_with_reward_0_is_still_ok(task):
-    fin = await run(Scripted(verify=Verdict(reward=0.0, rewards={"rule": 0.0}, output="0/3")), task)
+    fin = await run(Scripted(verify=Verdict(reward=0.0, rewards={"rule": 0.0}, summary="0/3")), task)
     assert (fin.status, fin.reward, fin.rewards, fin.exit_code, fin.details) == ("ok", 0.0, {"rule": 0.0}, 0, "0/3")
 
 
@@ -163,7 +163,7 @@ async def test_non_zero_exit_is_harness_error_and_not_verified(task):
 @pytest.mark.parametrize("exit_code", [-9, 0, 137])
 async def test_timeout_is_scored_whatever_the_exit_code(task, exit_code):
     b = Scripted(wait=HarnessExit(timed_out=True, exit_code=exit_code),
-                 verify=Verdict(reward=0.5, rewards={"rule": 0.5, "part": 1.0}, output="half"))
+                 verify=Verdict(reward=0.5, rewards={"rule": 0.5, "part": 1.0}, summary="half"))
     fin = await run(b, task, timeout_s=2.5)
     assert (fin.status, fin.reward, fin.rewards, fin.exit_code) == ("timeout", 0.5, {"rule": 0.5, "part": 1.0}, None)
     assert fin.details == "harness killed after 2.5s:\nharness: done"
@@ -315,7 +315,7 @@ EXITS = st.builds(HarnessExit, timed_out=st.booleans(), exit_code=st.sampled_fro
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ended=EXITS, verifier_ok=st.booleans(), reward=st.sampled_from([0.0, 0.25, 1.0]))
 def test_any_ending_gets_the_documented_status(task, ended, verifier_ok, reward):
-    verdict = Verdict(reward=reward, rewards={"rule": reward}, output="v") if verifier_ok else VerifierError("bad")
+    verdict = Verdict(reward=reward, rewards={"rule": reward}, summary="v") if verifier_ok else VerifierError("bad")
     b = Scripted(wait=ended, verify=verdict)
     base.time = Clock()  # the fixture's clock is per test, not per example
     fin = anyio.run(run, b, task)

@@ -98,7 +98,17 @@ async def test_verifier_without_reward_is_verifier_error(tmp_path):
     task = variant(tmp_path, "noreward", test_sh="#!/usr/bin/env bash\necho checked\n")
     fin = await LocalBackend().run(request("oracle", task), task, proxy_url="http://127.0.0.1:9")
     assert fin.status == "verifier_error"
-    assert "reward.txt" in fin.details and "checked" in fin.details
+    # bridle's words only: test.sh's output never goes into the details (nor the event log)
+    assert fin.details == "test.sh wrote neither logs/verifier/reward.txt nor reward.json (test.sh exit code 0)"
+
+
+async def test_harness_output_swapped_for_a_link_is_not_followed(tmp_path):
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("HOST-SECRET")
+    task = variant(tmp_path, "swap", solve=f'echo visible\nln -sf {secret} "$BRIDLE_WORKSPACE/../logs/harness.txt"\nexit 3')
+    fin = await LocalBackend().run(request("oracle", task), task, proxy_url="http://127.0.0.1:9")
+    assert fin.status == "harness_error" and "HOST-SECRET" not in fin.details, fin.details
+    assert "harness.txt could not be read" in fin.details
 
 
 async def test_missing_harness_binary_is_sandbox_error(tmp_path):

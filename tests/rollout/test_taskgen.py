@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import anyio
@@ -100,11 +102,12 @@ def test_any_seed_generates_a_valid_task(tmp_path_factory, family, seed):
     t = materialize(generate(family, seed), tmp_path_factory.mktemp("t") / "task")
     assert load_task(t.root).oracle_actions == t.oracle_actions and t.oracle_actions
     expected = json.loads((t.tests_dir / "expected.json").read_text())
-    assert expected["checks"] and (t.tests_dir / "secret.txt").read_text().strip() == expected["secret"]
-    assert expected["secret"] not in t.instruction  # the pass token never reaches the agent
-    if t.workspace_seed is not None:
-        for p in t.workspace_seed.rglob("*"):
-            assert not p.is_file() or expected["secret"] not in p.read_text()
+    assert expected["checks"]
+    assert sorted(p.name for p in t.tests_dir.iterdir()) == ["check.py", "expected.json", "test.sh"]
+    for c in expected["checks"]:
+        if c["kind"] == "calls":  # as many held-out calls as the visible tests make
+            visible = (t.workspace_seed / f"test_{c['module']}.py").read_text().count("    def test_")
+            assert len(c["cases"]) == 2 * visible
 
 
 def test_create_file_is_one_short_write():
@@ -141,6 +144,66 @@ def test_bugfix_hidden_tests_ignore_edited_visible_tests(tmp_path):
     assert anyio.run(run_verifier_local, t, ws).reward == 0.0
     mod.write_text("import sys\nsys.exit(0)\n")  # nor exiting early from the module under test
     assert anyio.run(run_verifier_local, t, ws).reward == 0.0
+
+
+def test_checker_reads_no_link(tmp_path):
+    t = materialize(generate("create_file", 3), tmp_path / "t")
+    action = t.oracle_actions[0].args
+    ws = seed_workspace(t, tmp_path / "ws")
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text(action["content"])  # the right content, but outside the workspace
+    (ws / action["path"]).parent.mkdir(parents=True, exist_ok=True)
+    (ws / action["path"]).symlink_to(elsewhere)
+    r = anyio.run(run_verifier_local, t, ws)
+    assert (r.status, r.reward) == ("ok", 0.0) and "symbolic link" in r.stdout_tail, r
+    (ws / action["path"]).unlink()
+    (ws / action["path"]).write_text(action["content"])
+    assert anyio.run(run_verifier_local, t, ws).reward == 1.0
+
+
+PROBE = """
+import json, os
+seen = {"uid": os.getuid(), "env": sorted(os.environ), "cwd": os.getcwd()}
+try:
+    open(os.path.join(TESTS, "expected.json")).read()
+    seen["tests"] = "readable"
+except OSError as e:
+    seen["tests"] = type(e).__name__
+try:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    seen["fork"] = "ok"
+except OSError as e:
+    seen["fork"] = type(e).__name__
+with open(OUT, "w") as f:
+    json.dump(seen, f)
+"""
+
+
+def test_checker_child_is_confined(tmp_path):
+    """What workspace code sees when the bugfix checker imports it: no BRIDLE_* variable, a private copy of the
+    workspace as its folder, no fork; as root also another uid and no access to tests/."""
+    # In a folder every user may enter (pytest's own is root's only): the task (its tests/ are 0700) and a
+    # world-writable drop box for the probe's report.
+    shared = Path(tempfile.mkdtemp(prefix="bridle-test-"))
+    try:
+        shared.chmod(0o755)
+        t = materialize(generate("bugfix", 2), shared / "t")
+        ws = seed_workspace(t, tmp_path / "ws")
+        out = shared / "drop" / "seen.json"
+        out.parent.mkdir(mode=0o777)
+        out.parent.chmod(0o777)
+        mod = next(p for p in ws.glob("*.py") if not p.name.startswith("test_"))
+        mod.write_text(f"TESTS = {str(t.tests_dir)!r}\nOUT = {str(out)!r}\n" + PROBE + mod.read_text())
+        r = anyio.run(run_verifier_local, t, ws)
+        assert (r.status, r.reward) == ("ok", 0.0), r
+        seen = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(shared)
+    assert seen["fork"] != "ok" and seen["env"] == ["LANG", "PATH"] and seen["cwd"] != str(ws), seen
+    if os.geteuid() == 0:
+        assert seen["uid"] == 65534 and seen["tests"] == "PermissionError", seen
 
 
 def test_cli_generates_and_checks(tmp_path, capsys):

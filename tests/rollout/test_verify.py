@@ -90,6 +90,7 @@ def test_planted_reward_is_removed_before_verifying(tmp_path):
     ws.mkdir()
     r = run_verifier_local_sync(task, ws, logs_dir=logs)
     assert r.status == "verifier_error" and "neither" in r.error and r.reward == 0.0
+    assert r.summary() == r.error
 
 
 def test_tests_are_not_in_workspace_and_changes_do_not_leak_back(tmp_path):
@@ -158,9 +159,11 @@ def test_read_reward(tmp_path, files, expected):
 @pytest.mark.parametrize(
     "name, text, msg",
     [
-        ("reward.txt", "pass", "expected one number"),
+        ("reward.txt", "pass", r"reward.txt is not one number \(4 bytes\)"),
         ("reward.txt", "nan", "finite"),
-        ("reward.json", "{", "not valid JSON"),
+        ("reward.json", "{", r"not valid JSON \(1 bytes\)"),
+        ("reward.json", '{"a b": 1}', "key #1 is not a plain name"),
+        ("reward.txt", "1" * 5000, "more than the 4096 allowed"),
         ("reward.json", '{"reward": "1"}', "expected a number"),
         ("reward.json", "[]", "expected an object"),
         ("reward.json", '{"reward": true}', "expected a number"),
@@ -170,6 +173,49 @@ def test_read_reward_errors(tmp_path, name, text, msg):
     (tmp_path / name).write_text(text)
     with pytest.raises(RewardError, match=msg):
         read_reward(tmp_path)
+
+
+def test_read_reward_follows_no_link(tmp_path):
+    """A reward file, or the verifier folder, replaced by a link to a file elsewhere is an error, and unread."""
+    elsewhere = tmp_path / "host.txt"
+    elsewhere.write_text("1")
+    vdir = tmp_path / "verifier"
+    vdir.mkdir()
+    (vdir / "reward.txt").symlink_to(elsewhere)
+    with pytest.raises(RewardError, match="reward.txt: .*symbolic link"):
+        read_reward(vdir)
+    (vdir / "reward.txt").unlink()
+    os.mkfifo(vdir / "reward.json")  # would block a plain open()
+    with pytest.raises(RewardError, match="not a regular file"):
+        read_reward(vdir)
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "reward.txt").write_text("1")
+    linked = tmp_path / "linked"
+    linked.symlink_to(real, target_is_directory=True)
+    with pytest.raises(RewardError, match="symbolic link"):
+        read_reward(linked)
+
+
+@given(st.text(min_size=1, max_size=200).filter(lambda t: t.strip()), st.sampled_from(["reward.txt", "reward.json"]))
+def test_reward_errors_never_quote_the_file(tmp_path_factory, text, name):
+    d = tmp_path_factory.mktemp("v")
+    (d / name).write_text(f"x{text}")  # never a valid number nor valid JSON
+    with pytest.raises(RewardError) as e:
+        read_reward(d)
+    assert f"x{text}" not in str(e.value)
+
+
+def test_verifier_output_is_not_followed_nor_summarized(tmp_path):
+    """test.sh swaps its own output file for a link: the tail is read from the file bridle opened."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET-CONTENT")
+    sh = LOGS + f'echo visible\nln -sf {secret} "$L/test-stdout.txt"\necho 1 > "$L/reward.txt"\n'
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    r = run_verifier_local_sync(task_with(tmp_path, sh), ws)
+    assert r.status == "ok" and "visible" in r.stdout_tail and "SECRET" not in r.stdout_tail
+    assert r.summary() == "reward 1 (rule 1); test.sh exit code 0"
 
 
 # -------------------------------------------------------------------------------------------- oracle

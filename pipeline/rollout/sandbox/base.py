@@ -17,7 +17,8 @@ in order and turns that into the :class:`~pipeline.messages.RolloutFinished`, in
 
 The status tells the failure classes apart:
 
-- ``ok``: the harness exited 0 and the verifier produced a reward; details are the verifier's output;
+- ``ok``: the harness exited 0 and the verifier produced a reward; details are bridle's one-line summary of the
+  verdict (never the verifier's output: what runs in the sandbox must not write into the event log);
 - ``timeout``: the harness was killed at its wall-clock limit; the workspace is still scored (running out of time
   is the policy's doing);
 - ``harness_error``: the harness exited non-zero, or the kernel killed it at the memory limit; no reward;
@@ -57,7 +58,8 @@ class SandboxError(Exception):
 
 
 class VerifierError(Exception):
-    """The verifier produced no valid reward: status ``verifier_error``, with this message as the details."""
+    """The verifier produced no valid reward: status ``verifier_error``, with this message as the details (bridle's
+    own words: never quote what the sandbox wrote)."""
 
 
 @dataclass(kw_only=True)
@@ -90,7 +92,7 @@ class Verdict:
 
     reward: float
     rewards: dict[str, float]  # named parts: rule, rubric, ...
-    output: str  # the tail of its output
+    summary: str  # bridle's own words about it (no byte the sandbox wrote): RolloutFinished.details
 
 
 S = TypeVar("S", bound=Sandbox)
@@ -193,7 +195,7 @@ class SandboxBackend(ABC, Generic[S]):
             if ended.timed_out:
                 return finish("timeout", f"harness killed after {req.timeout_s:g}s:\n{output}",
                               reward=verdict.reward, rewards=verdict.rewards)
-            return finish("ok", verdict.output, reward=verdict.reward, rewards=verdict.rewards, exit_code=0)
+            return finish("ok", verdict.summary, reward=verdict.reward, rewards=verdict.rewards, exit_code=0)
         finally:
             if box is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(self.cleanup_timeout_s):

@@ -4,7 +4,8 @@ Images come from ``pipeline/rollout/images.py`` (the tag is the harness adapter'
 CPU, memory and pids limits, never privileged, ``no-new-privileges``, network ``none`` by default. The proxy's Unix
 socket is bind-mounted at ``/run/bridle/proxy.sock`` and the image's forwarder relays ``127.0.0.1:8080`` to it, so
 the harness reaches the policy and nothing else. The verifier runs afterwards in a fresh container over the same
-workspace with ``tests/`` mounted read-only; the harness never sees the tests. Containers carry the labels
+workspace with ``tests/`` mounted read-only (0700: the built-in checker's uid-65534 child cannot read them); the
+harness never sees the tests, and the host reads only the reward file, through no link. Containers carry the labels
 ``bridle.run`` / ``bridle.rollout`` / ``bridle.owner``; :meth:`DockerBackend.start` removes leftovers of this run
 and of runs whose process has died, so a crash never leaks containers.
 """
@@ -40,7 +41,8 @@ from pipeline.rollout.sandbox.base import (
 )
 from pipeline.rollout.sandbox.util import parse_size, rmtree, rollout_dir, tail
 from pipeline.rollout.tasks import Task, seed_workspace
-from pipeline.rollout.verify import RewardError, read_reward
+from pipeline.rollout.untrusted import RewardError, fresh_dir, read_reward
+from pipeline.rollout.verify import summarize
 
 log = get_logger(component="sandbox")
 
@@ -344,39 +346,57 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         await self._remove(box.container.id)
 
     async def verify(self, box: DockerSandbox) -> Verdict:
-        """Run tests/test.sh in a fresh container over the workspace, with tests/ read-only."""
+        """Run tests/test.sh as root in a fresh container over the workspace, with tests/ read-only and 0700.
+
+        test.sh is the task author's (trusted); the built-in tasks' checker runs workspace code in a child as uid
+        65534, which can read neither /tests nor /logs (both 0700). The reward file is read on the host without
+        following links; test.sh's output stays in logs/verifier/test-stdout.txt and never reaches the details.
+        """
         import aiodocker
 
         assert box.root is not None
         root, task = box.root, box.task
         tests, logs = await anyio.to_thread.run_sync(_verifier_dirs, root, task)
-        timeout = task.config.verifier.timeout_sec
+        limit_s = task.config.verifier.timeout_sec
         config = {
             "Image": self.settings.verifier_image or BASE_IMAGE,
-            "Cmd": ["bash", "-c", ("bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1; rc=$?; "
-                                   "cat /logs/verifier/test-stdout.txt; exit $rc")],
+            "Cmd": ["bash", "-c", "bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1"],
             "Env": [f"{k}={v}" for k, v in task.config.verifier.env.items()],
+            "User": "0:0",
             "WorkingDir": "/app",
             "Labels": self._labels(box.req, "verifier"),
-            "HostConfig": self._host_config([f"{root / 'app'}:/app", f"{tests}:/tests:ro", f"{logs}:/logs"], "none"),
+            "HostConfig": self._verifier_host_config(
+                [f"{root / 'app'}:/app", f"{tests}:/tests:ro", f"{logs}:/logs"]
+            ),
         }
         try:
             c = await self._create_start(config, {}, box.containers)
         except (aiodocker.DockerError, TimeoutError) as e:
             raise VerifierError(f"could not start the verifier container ({config['Image']}): {e}") from None
         try:
-            timed_out, state = await self._wait(c, timeout)
+            timed_out, state = await self._wait(c, limit_s)
         except SandboxError as e:
             raise VerifierError(f"verifier container failed: {e}") from None
-        out = await self._logs(c)
         await self._remove(c.id)
         if timed_out:
-            raise VerifierError(f"test.sh timed out after {timeout:g}s\n{out}")
+            raise VerifierError(f"test.sh timed out after {limit_s:g}s")
+        code = state.get("ExitCode")
         try:
-            reward, parts = read_reward(logs / "verifier")
-        except (RewardError, OSError) as e:
-            raise VerifierError(f"{e} (test.sh exit code {state.get('ExitCode')})\n{out}") from None
-        return Verdict(reward=reward, rewards={**parts, "rule": reward}, output=out)
+            reward, parts = await anyio.to_thread.run_sync(read_reward, logs / "verifier")
+        except RewardError as e:
+            raise VerifierError(f"{e} (test.sh exit code {code})") from None
+        rewards = {**parts, "rule": reward}
+        return Verdict(reward=reward, rewards=rewards, summary=summarize(reward, rewards, code))
+
+    def _verifier_host_config(self, binds: list[str]) -> dict[str, Any]:
+        """The harness's limits, but root with just what the trusted checker needs: read the 0700 tests/ and write
+        logs/ whoever owns them on the host (DAC_OVERRIDE), and drop its child to another uid (SETUID, SETGID)."""
+        return {
+            **self._host_config(binds, "none"),
+            "CapDrop": ["ALL"],
+            "CapAdd": ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID", "KILL"],
+            "ReadonlyRootfs": False,  # the checker copies the workspace to /tmp for its child
+        }
 
     async def cleanup(self, box: DockerSandbox) -> None:
         for c in box.containers:
@@ -428,11 +448,13 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
 
 
 def _verifier_dirs(root: Path, task: Task) -> tuple[Path, Path]:
-    """(tests, logs) for the verifier container: a fresh copy of the task's tests/, an empty logs/verifier/."""
+    """(tests, logs) for the verifier container: a fresh copy of the task's tests/ and an empty logs/verifier/,
+    both 0700 (root in the container reaches them; its uid-65534 child does not)."""
     tests, logs = root / "tests", root / "logs"
+    fresh_dir(tests)
+    tests.rmdir()
     shutil.copytree(task.tests_dir, tests, symlinks=True)
-    shutil.rmtree(logs, ignore_errors=True)
-    (logs / "verifier").mkdir(parents=True)
-    logs.chmod(0o777)
-    (logs / "verifier").chmod(0o777)
+    tests.chmod(0o700)
+    fresh_dir(logs, 0o700)
+    fresh_dir(logs / "verifier", 0o700)
     return tests, logs

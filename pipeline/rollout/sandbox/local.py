@@ -217,9 +217,9 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
     async def verify(self, box: LocalSandbox) -> Verdict:
         assert box.root is not None
         vr = await run_verifier_local(box.task, box.root / "app", logs_dir=box.root / "logs")
-        if vr.status != "ok":
-            raise VerifierError(f"{vr.error}\n{vr.stdout_tail}")
-        return Verdict(reward=vr.reward, rewards=vr.rewards, output=vr.stdout_tail)
+        if vr.status != "ok":  # test.sh's own output stays in logs/verifier/test-stdout.txt (keep_workspaces)
+            raise VerifierError(vr.error)
+        return Verdict(reward=vr.reward, rewards=vr.rewards, summary=vr.summary())
 
     async def cleanup(self, box: LocalSandbox) -> None:
         if box.proc is not None and box.proc.returncode is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -27,14 +28,20 @@ def tail(text: str, limit: int = TAIL_CHARS) -> str:
 
 
 def file_tail(path: Path, limit: int = TAIL_CHARS) -> str:
-    """:func:`tail` of a file's text, reading only its end; "" when it does not exist."""
+    """:func:`tail` of a file's text, reading only its end; "" when it does not exist. A link in its place (the
+    harness may swap its output file for one) is not followed."""
     try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit * 4))  # up to 4 bytes per character in UTF-8
-            return tail(f.read().decode("utf-8", "replace"), limit)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return ""
+    except OSError as e:
+        return f"({path.name} could not be read: {e.strerror})"
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return f"({path.name} is not a regular file)"
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - limit * 4))  # up to 4 bytes per character in UTF-8
+        return tail(f.read().decode("utf-8", "replace"), limit)
 
 
 def rollout_dir(workdir: str, rollout_id: str) -> Path:

@@ -1,11 +1,15 @@
 """Make the unit tests pass: a small Python module with a one-line bug and a unittest file that exposes it.
 
 Expected values come from running the correct code at generation time; the generator makes sure the buggy code
-fails at least one test. The verifier runs a hidden copy of the tests, so editing the visible ones does not help.
+fails at least one visible test. The hidden check (a ``calls`` check of the checker, see ``check_template.py``)
+calls the module's functions on the visible tests' inputs plus as many held-out ones, in a child process, and
+compares the returned values itself: editing the visible tests does not help, nor does a module that looks its
+answers up in them.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from typing import Any
@@ -139,6 +143,11 @@ def _assertion(fn: _Fn, args: tuple[Any, ...], want: Any) -> str:
     return f"self.assertEqual({call}, {want!r})"
 
 
+def _case(fn: _Fn, args: tuple[Any, ...], want: Any) -> dict[str, Any]:
+    """One call the checker makes, as JSON: tuples become lists on both sides, as they do in the child's report."""
+    return json.loads(json.dumps({"fn": fn.name, "args": list(args), "want": want, "approx": fn.approx}))
+
+
 def generate(seed: int) -> TaskSpec:
     rng = rng_for(FAMILY, seed)
     target, *decoys = rng.sample(_FNS, rng.randint(2, 3))
@@ -151,6 +160,7 @@ def generate(seed: int) -> TaskSpec:
 
     for _ in range(50):  # draw inputs until at least one exposes the bug (almost always the first draw)
         tests: list[str] = []
+        cases: list[dict[str, Any]] = []
         buggy_fails = False
         for fn in sorted(fns, key=lambda f: f.name):
             for i, args in enumerate(fn.inputs(rng)):
@@ -158,10 +168,13 @@ def generate(seed: int) -> TaskSpec:
                 got_bad = _call(bad_src, fn.name, args)
                 buggy_fails |= (abs(got_bad - want) > 1e-6) if fn.approx else (got_bad != want)
                 tests.append(f"    def test_{fn.name}_{i}(self):\n        {_assertion(fn, args, want)}\n")
+                cases.append(_case(fn, args, want))
         if buggy_fails:
             break
     else:
         raise AssertionError(f"bugfix seed {seed}: no generated inputs expose the {target.name} bug")
+    held_out = [_case(fn, args, _call(good_src, fn.name, args)) for fn in sorted(fns, key=lambda f: f.name)
+                for args in fn.inputs(rng)]
 
     names = ", ".join(sorted(f.name for f in fns))
     test_file = (
@@ -179,13 +192,11 @@ def generate(seed: int) -> TaskSpec:
             f"`python3 -m unittest test_{module}` passes. Do not change the tests."
         ),
         workspace={f"{module}.py": bad_src, f"test_{module}.py": test_file},
-        checks=[{"kind": "unittest", "file": "hidden_test.py", "min_tests": len(tests)}],
+        checks=[{"kind": "calls", "module": module, "cases": cases + held_out, "timeout_s": 30}],
         actions=[
             act("read_file", path=f"test_{module}.py"),
             act("edit_file", path=f"{module}.py", old=line_bad, new=line_good),
             act("bash", command=f"python3 -m unittest test_{module}"),
         ],
-        rng=rng,
-        extra_tests={"hidden_test.py": test_file},
         category="programming",
     )

@@ -110,6 +110,5 @@ def generate(seed: int) -> TaskSpec:
         workspace={fname: text},
         checks=[check],
         actions=actions,
-        rng=rng,
         category="configuration",
     )

@@ -55,5 +55,4 @@ def generate(seed: int) -> TaskSpec:
         # graded credit (share of words right) gives small policies a signal before they copy exactly
         checks=[{"kind": "text", "path": name, "text": text, "match": "strip", "partial": True}],
         actions=[act("write_file", path=name, content=text)],
-        rng=rng,
     )

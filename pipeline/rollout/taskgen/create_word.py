@@ -27,5 +27,4 @@ def generate(seed: int) -> TaskSpec:
         workspace={},
         checks=[{"kind": "text", "path": name, "text": word, "match": "strip", "partial": True}],
         actions=[act("write_file", path=name, content=word)],
-        rng=rng,
     )

@@ -107,6 +107,5 @@ def generate(seed: int) -> TaskSpec:
         workspace={fname: buf.getvalue()},
         checks=[check],
         actions=[act("read_file", path=fname), act("write_file", path="answer.txt", content=answer)],
-        rng=rng,
         category="data",
     )

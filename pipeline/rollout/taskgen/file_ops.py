@@ -118,5 +118,4 @@ def generate(seed: int) -> TaskSpec:
         workspace=ws,
         checks=checks,
         actions=[act("bash", command=command)],
-        rng=rng,
     )

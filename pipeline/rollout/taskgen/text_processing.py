@@ -124,6 +124,5 @@ def generate(seed: int) -> TaskSpec:
         workspace=ws,
         checks=checks,
         actions=[act("read_file", path=src), act("write_file", path=out_path, content=out_text)],
-        rng=rng,
         category="text",
     )
