@@ -274,8 +274,12 @@ class TreeStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     exact_prefix_attach_rate: float = 0.0
     attach: dict[str, int] = msgspec.field(default_factory=dict)  # how each call joined: first, exact, rewrite:*, ...
     calls_by_fate: dict[str, int] = msgspec.field(default_factory=dict)  # trained, auxiliary, not_trained
-    # Main-agent segments beyond the first that no compaction explains: calls the builder could not join.
+    # Main-agent segments beyond the first that do not start from the output of a compaction made just before
+    # them: calls the builder could not join (still trained, as segments of their own).
     unjoined_segments: int = 0
+    # Compaction calls (labelled, or found from structure) whose output no next segment starts from: the label is
+    # not confirmed (still not trained: the request asked for a summary).
+    unconfirmed_compactions: int = 0
     dropped: dict[str, int] = msgspec.field(default_factory=dict)  # reason -> count
 
 

@@ -91,6 +91,7 @@ class HarnessReport(msgspec.Struct, kw_only=True):
     tokens_output: int = 0
     tokens_trainable: int = 0
     unjoined_segments: int = 0
+    unconfirmed_compactions: int = 0
     relabelled: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -118,7 +119,8 @@ def report(log_path: Path, options: TreeOptions | None = None) -> tuple[TreeRepo
                                   stats=msgspec.to_builtins(st), relabelled=tree.relabelled))
         agg = per[name]
         agg["n"].update(rollouts=1, calls=st.calls, tokens_output=st.tokens_output,
-                        tokens_trainable=st.tokens_trainable, unjoined_segments=st.unjoined_segments)
+                        tokens_trainable=st.tokens_trainable, unjoined_segments=st.unjoined_segments,
+                        unconfirmed_compactions=st.unconfirmed_compactions)
         agg["attach"].update(st.attach)
         agg["fate"].update(st.calls_by_fate)
         agg["rewrites"].update({k.removeprefix("rewrite:"): v for k, v in st.attach.items()
@@ -129,6 +131,7 @@ def report(log_path: Path, options: TreeOptions | None = None) -> tuple[TreeRepo
                             calls_by_fate=dict(sorted(a["fate"].items())), rewrites=dict(sorted(a["rewrites"].items())),
                             tokens_output=a["n"]["tokens_output"], tokens_trainable=a["n"]["tokens_trainable"],
                             unjoined_segments=a["n"]["unjoined_segments"],
+                            unconfirmed_compactions=a["n"]["unconfirmed_compactions"],
                             relabelled=dict(sorted(a["relabelled"].items())))
         for name, a in sorted(per.items())
     }
@@ -150,7 +153,8 @@ def text(rep: TreeReport, trees: list[RolloutTree], calls: bool = False) -> str:
             + "attach " + " ".join(f"{k}={v}" for k, v in h.attach.items()) + "  "
             + "calls " + " ".join(f"{k}={v}" for k, v in h.calls_by_fate.items())
             + f"  trainable {h.tokens_trainable:,}/{h.tokens_output:,} output tokens ({share})"
-            + (f"  NOT JOINED: {h.unjoined_segments} segment(s)" if h.unjoined_segments else ""))
+            + (f"  NOT JOINED: {h.unjoined_segments} segment(s)" if h.unjoined_segments else "")
+            + (f"  UNCONFIRMED: {h.unconfirmed_compactions} compaction(s)" if h.unconfirmed_compactions else ""))
     if not rep.rollouts:
         lines.append(f"no model calls in {rep.log}")
     return "\n".join(lines)

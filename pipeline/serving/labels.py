@@ -17,7 +17,11 @@ COMPACTION_MARKERS = (
     "component that summarizes a conversation",  # Qwen Code
     "You are a context summarization assistant",  # OpenClaw
 )
-SUBAGENT_MARKERS = ("## Subagent Context", "subagent working for a parent agent", "cc_is_subagent=true")
+SUBAGENT_MARKERS = (
+    "## Subagent Context",  # OpenClaw (sessions_spawn through its gateway)
+    "subagent working for a parent agent",  # Qwen Code
+    "cc_is_subagent=true",  # Claude Code's billing line (it also sends x-claude-code-agent-id)
+)
 
 
 def detect_label(protocol: str, headers: Any, body: dict[str, Any], conv: Conversation, subagent_model: str) -> str:
@@ -42,7 +46,8 @@ def detect_label(protocol: str, headers: Any, body: dict[str, Any], conv: Conver
             return "subagent"
     if protocol == "anthropic" and (headers.get("x-claude-code-agent-id") or conv.model == subagent_model):
         return "subagent"
-    system = " ".join(m.content[:4000] for m in conv.messages if m.role == "system")
+    # The whole system prompt: OpenClaw 2026.9.6 puts its "## Subagent Context" section ~20,000 characters in.
+    system = " ".join(m.content for m in conv.messages if m.role == "system")
     if any(s in system for s in SUBAGENT_MARKERS):
         return "subagent"
     last_user = next((m.content for m in reversed(conv.messages) if m.role == "user"), "")

@@ -8,6 +8,7 @@ Script file (JSON or TOML), responses in a neutral form::
         {"text": "Done."}
       ],
       "rollouts": {"roll-7": [{"text": "…", "thinking": "…"}]},   # optional, per rollout id
+      "routes": [{"opening": "Create notes.txt", "responses": [...]}],  # optional, side conversations
       "after_end": {"text": "Done."},                # answer once a rollout's list is used up
       "latency_s": 0.0,                              # simulated generation time per call
       "fail_calls": [3]                              # fault injection: calls (0-based, all rollouts)
@@ -18,6 +19,12 @@ produce a new answer). Each response is rendered with the chat template exactly 
 it after the generation prompt, end-of-turn token included, so the proxy parses, answers and records real ids.
 Log-probabilities are 0 (a deterministic policy). The rollout is read from the request id the proxy sends,
 ``<rollout_id>|<call_id>``.
+
+A subagent runs beside the main agent (Codex and OpenClaw spawn it in the background), so the order of their calls
+is not fixed and one list cannot serve both. A *route* gives such a side conversation a list of its own: a call
+whose conversation opens with text containing ``opening`` (the prompt up to its first assistant turn: system prompt,
+tools and the first user messages, where a subagent finds the task its parent wrote) plays the route's responses,
+counted per rollout and route, like a policy that reads its prompt to know which conversation it is in.
 """
 
 from __future__ import annotations
@@ -47,9 +54,15 @@ class ScriptResponse(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     tool_calls: list[ScriptCall] = msgspec.field(default_factory=list)
 
 
+class ScriptRoute(msgspec.Struct, forbid_unknown_fields=True):
+    opening: str  # text the conversation's opening (the prompt before its first assistant turn) contains
+    responses: list[ScriptResponse]
+
+
 class Script(msgspec.Struct, forbid_unknown_fields=True):
     default: list[ScriptResponse] = msgspec.field(default_factory=list)
     rollouts: dict[str, list[ScriptResponse]] = msgspec.field(default_factory=dict)
+    routes: list[ScriptRoute] = msgspec.field(default_factory=list)
     after_end: ScriptResponse = msgspec.field(default_factory=lambda: ScriptResponse(text="Done."))
     latency_s: float = 0.0
     fail_calls: list[int] = msgspec.field(default_factory=list)
@@ -92,6 +105,15 @@ class ScriptedEngine:
     def responses_for(self, rollout_id: str) -> list[ScriptResponse]:
         return self.script.rollouts.get(rollout_id, self.script.default)
 
+    def _playing(self, rollout: str, input_ids: Sequence[int]) -> tuple[str, list[ScriptResponse]]:
+        """(the counter's key, the list) a call plays: its route's, if its conversation's opening names one."""
+        if self.script.routes:
+            opening = self.renderer.tokenizer.decode(list(input_ids)).split("<|im_start|>assistant", 1)[0]
+            for k, route in enumerate(self.script.routes):
+                if route.opening in opening:
+                    return f"{rollout}\x00route{k}", route.responses
+        return rollout, self.responses_for(rollout)
+
     def output_ids(self, r: ScriptResponse) -> list[int]:
         """The ids a model would sample for ``r`` after the generation prompt, end-of-turn token included."""
         msg = Message(
@@ -113,11 +135,10 @@ class ScriptedEngine:
         if self.calls in self.script.fail_calls:
             self.calls += 1
             raise EngineUnavailable(f"HTTP 500: injected fault (call {self.calls - 1})")
-        rollout = rollout_of(rid)
-        n = self._next.get(rollout, 0)
-        self._next[rollout] = n + 1
+        key, lst = self._playing(rollout_of(rid), input_ids)
+        n = self._next.get(key, 0)
+        self._next[key] = n + 1
         self.calls += 1
-        lst = self.responses_for(rollout)
         resp = lst[n] if n < len(lst) else self.script.after_end
         ids = self.output_ids(resp)
         finish: Literal["stop", "length", "abort"] = "stop"

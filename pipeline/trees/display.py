@@ -23,6 +23,8 @@ def format_stats(summary: RolloutSummary, relabelled: dict[str, int] | None = No
     ]
     if s.unjoined_segments:
         parts.append(f"NOT JOINED: {s.unjoined_segments} segment(s) no compaction explains")
+    if s.unconfirmed_compactions:
+        parts.append(f"UNCONFIRMED: {s.unconfirmed_compactions} compaction(s) no next segment starts from")
     if s.dropped:
         parts.append("dropped " + " ".join(f"{k}={v}" for k, v in s.dropped.items()))
     if relabelled:
@@ -37,6 +39,8 @@ def format_calls(tree: RolloutTree) -> str:
         how = how_attached(tree.calls, tree.chains, n)
         state = "kept-leaf" if c.kept else ("leaf" if c.leaf else "")
         label = c.label if c.label == c.proxy_label else f"{c.label}(proxy {c.proxy_label})"
+        if c.label == "compaction" and c.summary_for < 0:
+            label += "?"  # unconfirmed: no next segment starts from its output
         lines.append(
             f"  seq={c.seq:<4} {c.call_id:<16} chain={c.chain:<2} {label:<10} {how:<28} "
             f"in={c.input_len:<7} out={c.output_len:<6} on-path={c.n_calls:<4} "

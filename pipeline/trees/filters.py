@@ -117,15 +117,14 @@ def _stats(infos: list[CallInfo], chains: list[Chain], kept: list[int], invalid:
             fate["trained"] += 1
         else:
             fate["not_trained"] += 1
-    main_segments = sum(1 for ch in chains if any(infos[n].label == "main" for n in ch.calls))
-    compactions = sum(1 for info in infos if info.label == "compaction")
+    segments = [ch for ch in chains if any(infos[n].label == "main" for n in ch.calls)]
     # Every call but the rollout's first could have extended an earlier one: a rollout of new roots reads 0 %.
     attachable = len(infos) - 1
     return TreeStats(
         calls=len(infos),
         leaves=sum(info.leaf for info in infos),
         kept_leaves=0 if invalid else len(kept),
-        segments=main_segments,
+        segments=len(segments),
         depth=max((info.n_calls for info in infos), default=0),
         tokens_total=tokens_total,
         tokens_packed=packed if not invalid else 0,
@@ -134,6 +133,7 @@ def _stats(infos: list[CallInfo], chains: list[Chain], kept: list[int], invalid:
         exact_prefix_attach_rate=(attach["exact"] + attach["retry"]) / attachable if attachable > 0 else 1.0,
         attach={k: v for k, v in sorted(attach.items())},
         calls_by_fate={k: v for k, v in sorted(fate.items())},
-        unjoined_segments=max(0, main_segments - 1 - compactions),
+        unjoined_segments=sum(1 for ch in segments[1:] if ch.joined_by < 0),
+        unconfirmed_compactions=sum(1 for info in infos if info.label == "compaction" and info.summary_for < 0),
         dropped={k: v for k, v in sorted(dropped.items()) if v},
     )

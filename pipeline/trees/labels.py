@@ -1,9 +1,18 @@
-"""Labels from structure: confirm or correct the proxy's main / subagent / compaction labels (docs/trees.md)."""
+"""Labels from structure: confirm or correct the proxy's main / subagent / compaction labels (docs/trees.md).
+
+The proxy's label is evidence, not proof. A compaction is what it does: the request asked for a summary and a
+later main segment starts from that summary. So every compaction call is checked against the segments after it:
+a later segment whose first input contains its output confirms it (``CallInfo.summary_for``), and every main
+segment after the first must start from a confirmed compaction's output (``Chain.joined_by``); what stays
+unexplained is reported (``TreeStats.unconfirmed_compactions``, ``TreeStats.unjoined_segments``).
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from itertools import pairwise
+
+import numpy as np
 
 from pipeline.trees.nodes import _SUMMARY_MIN, _SUMMARY_WINDOW, CallInfo, Chain, _contains, _Rec
 
@@ -25,6 +34,7 @@ def label_calls(recs: list[_Rec], infos: list[CallInfo], chains: list[Chain], re
         else:
             info.label = "main"
     _unlabelled_summaries(recs, infos, chains, main_chains, extended)
+    _join_segments(recs, infos, chains)
     for info in infos:
         if info.label != info.proxy_label:
             relabelled[f"{info.proxy_label}->{info.label}"] += 1
@@ -49,19 +59,45 @@ def _chain_labels(infos: list[CallInfo], chains: list[Chain], extended: set[int]
     return main_chains
 
 
+def _summary_in(y: np.ndarray, x: np.ndarray, minimum: int) -> bool:
+    """Whether x carries the output y: a window from y's middle, where re-tokenization at the message boundary
+    cannot change it. Outputs shorter than ``minimum`` never match."""
+    if y.shape[0] < max(1, minimum):
+        return False
+    w = min(_SUMMARY_WINDOW, y.shape[0])
+    mid = (y.shape[0] - w) // 2
+    return _contains(x, y[mid : mid + w])
+
+
+def _summaries_for(recs: list[_Rec], infos: list[CallInfo], prev: Chain, seg: Chain) -> list[int]:
+    """The compaction calls made after segment ``prev`` began and before ``seg`` did whose output ``seg``'s first
+    input carries, in seq order."""
+    after, head = infos[prev.calls[0]].seq, seg.calls[0]
+    return [n for n, info in enumerate(infos) if info.label == "compaction" and after < info.seq < infos[head].seq
+            and _summary_in(recs[n].y, recs[head].x, 1)]
+
+
 def _unlabelled_summaries(recs: list[_Rec], infos: list[CallInfo], chains: list[Chain], main_chains: list[int],
                           extended: set[int]) -> None:
     """Without a label: a main segment's last leaf (nothing extends or continues it) whose output reappears in the
-    next segment's first input wrote that segment's summary."""
+    next segment's first input wrote that segment's summary. Segments a labelled compaction starts are left
+    alone."""
     for a, b in pairwise(main_chains):
-        if any(infos[i].label == "compaction" for i in chains[a].calls):
+        if _summaries_for(recs, infos, chains[a], chains[b]):
             continue
-        last = next((i for i in reversed(chains[a].calls) if i not in extended), None)
-        if last is None:
-            continue
-        y = recs[last].y
-        if y.shape[0] >= _SUMMARY_MIN:
-            w = min(_SUMMARY_WINDOW, y.shape[0])
-            mid = (y.shape[0] - w) // 2
-            if _contains(recs[chains[b].calls[0]].x, y[mid : mid + w]):
-                infos[last].label = "compaction"
+        last = next((i for i in reversed(chains[a].calls) if i not in extended and infos[i].label == "main"), None)
+        if last is not None and _summary_in(recs[last].y, recs[chains[b].calls[0]].x, _SUMMARY_MIN):
+            infos[last].label = "compaction"
+
+
+def _join_segments(recs: list[_Rec], infos: list[CallInfo], chains: list[Chain]) -> None:
+    """Join each main segment after the first to the compaction it starts from (``_summaries_for``; the latest,
+    if several), which confirms that compaction. A compaction no next segment starts from stays a compaction (the
+    request asked for a summary: its tokens are auxiliary, not trained without ``include_aux``) but unconfirmed; a
+    segment no compaction explains stays a segment of its own (trained) but unjoined."""
+    segments = [k for k, ch in enumerate(chains)
+                if ch.label == "main" and any(infos[i].label == "main" for i in ch.calls)]
+    for prev, k in pairwise(segments):
+        for n in _summaries_for(recs, infos, chains[prev], chains[k]):
+            chains[k].joined_by = n
+            infos[n].summary_for = k

@@ -83,6 +83,8 @@ class CallInfo:
     # Attached to parent_call after a rewrite of its history the harness is known to make (REWRITES); "": none.
     rewrite: str = ""
     continued: bool = False  # a later call continues it after a rewrite: its own path is kept, not a dead leaf
+    # A compaction: the main segment (chain) that starts from its output, which confirms it; -1: unconfirmed.
+    summary_for: int = -1
     n_calls: int = 1  # calls with output on its root-to-leaf path, itself included
     included: bool = True  # its output is trainable (main, or aux with include_aux)
     leaf: bool = False  # no call extends it
@@ -99,6 +101,7 @@ class Chain:
     label: Label
     first_seq: int
     calls: list[int] = field(default_factory=list)
+    joined_by: int = -1  # a main segment after the first: the compaction call it starts from; -1: unjoined
 
 
 @dataclass

@@ -15,9 +15,12 @@ root call's input exactly (a retried first turn).
 A new chain is a *subagent* when the proxy labelled it so or when the main chain it interrupted is continued later;
 otherwise it is the next *segment* of the main agent (a compaction restart). The call that wrote the compaction
 summary is recognized from what a compaction is: the request asked for a summary (the proxy's label, from what
-each harness shows) and the conversation did not go on from it as history, or, without a label, it ends a segment
-(nothing extends or continues it) and the next segment starts from its output. A main segment no compaction
-explains is reported (``TreeStats.unjoined_segments``): calls the builder could not join.
+each harness shows: evidence, not proof) and the conversation did not go on from it as history, or, without a
+label, it ends a segment (nothing extends or continues it) and the next segment starts from its output. Each
+segment after the first is then checked on its own: it must start from (contain) the output of a compaction made
+after the previous segment began, which confirms that compaction (pipeline/trees/labels.py). A segment no
+compaction explains (``TreeStats.unjoined_segments``) is still trained, as a segment of its own; a compaction no
+segment starts from (``TreeStats.unconfirmed_compactions``) is still not trained.
 
 Filters, each counted in ``TreeStats.dropped``: duplicated records, failed/aborted calls, malformed records,
 auxiliary calls (subagent, compaction; kept as context where they are on a kept path but not trained, unless

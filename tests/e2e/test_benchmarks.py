@@ -1,4 +1,5 @@
-"""The proxy benchmark keeps working: its throughput model on hand-checked cases, and a short real run end to end.
+"""The benchmarks keep working: the proxy benchmark's throughput model on hand-checked cases and a short real
+run end to end, and a short run of the harness benchmark.
 
 No timing is asserted (these machines are noisy); the run checks that every path answered every request and that
 every table and verdict is printed.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +72,20 @@ def test_short_run_end_to_end(tmp_path):
     assert all(v["rps"] > 0 for v in level16["model"].values())
     for marker in ("Proxy overhead", "direct+tokenize", "Where the time goes", "Throughput model", "1 client: bridle adds"):
         assert marker in proc.stdout, marker
+
+
+def test_harness_benchmark_short_run(tmp_path):
+    """benchmarks/harnesses.py on the white-box harness (no binary needed): the tools rollout and its compaction
+    rollout, local backend; the tables say what was measured (no timing asserted)."""
+    out = tmp_path / "harnesses.md"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "harnesses.py"), "--backend", "local", "--harnesses", "whitebox",
+         "--repeats", "1", "--out", str(out)],
+        cwd=str(ROOT), capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| whitebox | 4 |"))
+    assert "ok×1, reward 1.00" in row and "exact=3 first=1" in row
+    assert "| whitebox | compaction: 1 labelled, 1 confirmed, 2 segments, main calls trained yes |" in text

@@ -276,4 +276,10 @@ def test_labels_from_request_features():
     sub = from_chat({"messages": [{"role": "system", "content": "You are a subagent working for a parent agent."},
                                   {"role": "user", "content": "x"}]})
     assert detect_label("chat", {}, {}, sub, "s") == "subagent"
+    # OpenClaw's subagent section comes after ~20,000 characters of system prompt
+    openclaw = from_chat({"messages": [
+        {"role": "system", "content": "You are a personal assistant running inside OpenClaw.\n" + "x" * 19_800
+         + "\n## Subagent Context\n# Subagent Context\n\nSubagent spawned by main agent; one specific task."},
+        {"role": "user", "content": "[Subagent Task] Create notes.txt."}]})
+    assert detect_label("chat", {}, {}, openclaw, "s") == "subagent"
     assert detect_label("chat", {}, {}, plain, "s") == "main"

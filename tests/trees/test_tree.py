@@ -168,6 +168,75 @@ def test_compaction_makes_two_segments_and_the_summary_call_is_not_trained(proxy
     assert tree.relabelled == ({} if proxy_label == "compaction" else {"main->compaction": 1})
 
 
+def test_a_compaction_is_confirmed_by_the_segment_that_starts_from_its_summary():
+    tree = build_tree(settled(COMPACTION))
+    assert tree.calls[2].summary_for == 1 and tree.chains[1].joined_by == 2
+    assert (tree.stats.unjoined_segments, tree.stats.unconfirmed_compactions) == (0, 0)
+
+
+def test_a_labelled_compaction_at_the_end_is_unconfirmed_and_not_trained():
+    # the harness asked for a summary, then the rollout ended: nothing read it
+    tree, p = packed_of(*COMPACTION[:3])
+    assert [c.label for c in tree.calls] == ["main", "main", "compaction"] and tree.calls[2].summary_for == -1
+    s = tree.stats
+    assert (s.segments, s.unjoined_segments, s.unconfirmed_compactions) == (1, 0, 1)
+    assert s.calls_by_fate == {"auxiliary": 1, "trained": 2} and s.dropped == {"compaction_excluded": 1}
+    assert p["tokens"] == [1, 2, 10, 11, 3, 12] and s.tokens_trainable == 3
+    assert "UNCONFIRMED: 1 compaction(s)" in format_stats(tree.summary())
+    assert "compaction?" in format_calls(tree)
+
+
+def test_a_labelled_compaction_the_next_segment_does_not_start_from_is_reported_with_that_segment():
+    other = [60, 61, 62, 63, 64, 65, 66, 67]  # the new segment carries some other text, not the summary
+    tree, _ = packed_of(*COMPACTION[:3], mc(3, [1, 2, S, *other], [13]), mc(4, [1, 2, S, *other, 13, 4], [14]))
+    assert [c.label for c in tree.calls] == ["main", "main", "compaction", "main", "main"]
+    assert tree.calls[2].summary_for == -1 and tree.chains[1].joined_by == -1
+    s = tree.stats
+    assert (s.segments, s.unjoined_segments, s.unconfirmed_compactions) == (2, 1, 1)
+    # the unjoined segment is still trained (a segment of its own); the summary is not
+    assert s.calls_by_fate == {"auxiliary": 1, "trained": 4} and s.tokens_trainable == 5
+    line = format_stats(tree.summary())
+    assert "NOT JOINED: 1 segment(s)" in line and "UNCONFIRMED: 1 compaction(s)" in line
+
+
+SUMMARY2 = list(range(70, 78))
+THREE_SEGMENTS = [
+    *COMPACTION,
+    mc(5, [1, 2, S, *SUMMARY, 13, 4, 14, 7], SUMMARY2, label="compaction"),
+]
+
+
+def test_each_segment_is_checked_not_counted():
+    # two compactions and three segments, but the third segment starts from the FIRST summary again: the second
+    # compaction explains nothing (counting segments - 1 - compactions would have said all is joined)
+    tree = build_tree(settled([*THREE_SEGMENTS, mc(6, [1, 2, S, *SUMMARY, 8], [15])]))
+    assert [c.chain for c in tree.calls] == [0, 0, 0, 1, 1, 1, 2]
+    assert [c.summary_for for c in tree.calls] == [-1, -1, 1, -1, -1, -1, -1]
+    assert [ch.joined_by for ch in tree.chains] == [-1, 2, -1]
+    s = tree.stats
+    assert (s.segments, s.unjoined_segments, s.unconfirmed_compactions) == (3, 1, 1)
+    # the same with the second summary: every segment joined, both compactions confirmed
+    tree = build_tree(settled([*THREE_SEGMENTS, mc(6, [1, 2, S, *SUMMARY2], [15])]))
+    assert [ch.joined_by for ch in tree.chains] == [-1, 2, 5]
+    assert (tree.stats.unjoined_segments, tree.stats.unconfirmed_compactions) == (0, 0)
+
+
+def test_a_labelled_summary_written_in_a_separate_context_is_confirmed_by_the_next_segment():
+    calls = [
+        mc(0, [1, 2], [10, 11]),
+        mc(1, [6, 1, 2, 10, 11], SUMMARY, label="compaction"),  # its own root
+        mc(2, [1, 2, S, *SUMMARY], [13]),
+    ]
+    tree = build_tree(settled(calls))
+    assert [c.chain for c in tree.calls] == [0, 1, 2] and tree.chains[1].label == "compaction"
+    assert tree.calls[1].summary_for == 2 and tree.chains[2].joined_by == 1
+    assert (tree.stats.segments, tree.stats.unjoined_segments, tree.stats.unconfirmed_compactions) == (2, 0, 0)
+    calls[2] = mc(2, [1, 2, S, 60, 61, 62], [13])  # ... and not confirmed by one that does not carry it
+    tree = build_tree(settled(calls))
+    assert tree.calls[1].label == "compaction" and tree.calls[1].summary_for == -1
+    assert (tree.stats.segments, tree.stats.unjoined_segments, tree.stats.unconfirmed_compactions) == (2, 1, 1)
+
+
 def test_compaction_call_can_be_included():
     tree, p = packed_of(*COMPACTION, options=TreeOptions(include_aux=True))
     assert p["tokens"][:15] == [1, 2, 10, 11, 3, 12, 7, *SUMMARY]
@@ -299,6 +368,7 @@ def test_random_rollouts_have_consistent_stats(spec: Spec, seed: int):
     assert s.dropped.get("failed_call", 0) == sum(c.aborted for c in gen.calls)
     assert s.dropped.get("duplicate_record", 0) == len(gen.settled.calls) - len(gen.calls)
     assert s.segments == len({c.chain for c in live if c.label != "subagent"})
+    assert (s.unjoined_segments, s.unconfirmed_compactions) == (0, 0)  # every compaction starts the next segment
     assert [c.label for c in tree.calls] == [c.label for c in live]
     assert s.kept_leaves == len(gen.expected_paths())
     assert s.tokens_trainable == sum(int(t.sum()) for _, t, _ in gen.expected_paths())
