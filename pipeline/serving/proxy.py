@@ -47,9 +47,9 @@ from pipeline.serving.engine import (
     Engine,
     EngineBadRequest,
     EngineError,
+    EngineSampling,
     EngineUnavailable,
     GenerateResult,
-    Sampling,
 )
 from pipeline.serving.labels import detect_label
 from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse
@@ -355,7 +355,7 @@ class Proxy:
                                f"prompt is {n_in} tokens; the context length is {self.settings.context_len}")
         sp = req.sampling
         asked = conv.sampling.max_tokens
-        sampling = Sampling(
+        sampling = EngineSampling(
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             max_new_tokens=max(1, min(sp.max_new_tokens, room, asked if asked else sp.max_new_tokens)),
             stop_token_ids=tuple(st.splicer.stop_ids),
@@ -389,7 +389,7 @@ class Proxy:
             return rendered, plan_s + tokenize_s
 
     async def _generate_and_answer(
-        self, call: _Call, input_ids: Any, sampling: Sampling, rendered: RenderResult, render_s: float
+        self, call: _Call, input_ids: Any, sampling: EngineSampling, rendered: RenderResult, render_s: float
     ) -> web.StreamResponse:
         st, proto, sstate = call.st, call.proto, call.sstate
         engine = self.engine_for(st)
@@ -482,7 +482,7 @@ ENGINE_RETRY_S = 0.5
 
 
 async def _run_engine(
-    engine: Engine, input_ids: Any, sampling: Sampling, rid: str, retries: int = 0
+    engine: Engine, input_ids: Any, sampling: EngineSampling, rid: str, retries: int = 0
 ) -> tuple[GenerateResult | None, tuple[ErrorKind, str] | None]:
     """(result, None), or (None, (error kind, message)) for an engine failure the client is told about. A failure
     of the engine itself (EngineUnavailable) is retried ``retries`` times first."""

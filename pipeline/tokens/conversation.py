@@ -64,7 +64,7 @@ class Tool(msgspec.Struct, kw_only=True, omit_defaults=True):
     namespace: str = ""  # Responses namespace the tool came from
 
 
-class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
+class RequestedSampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Sampling fields as the harness asked for them; None = not given (the rollout's own settings apply)."""
 
     max_tokens: int | None = None
@@ -78,7 +78,7 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
 class Conversation(msgspec.Struct, kw_only=True, omit_defaults=True):
     messages: list[Message] = msgspec.field(default_factory=list)
     tools: list[Tool] = msgspec.field(default_factory=list)
-    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    sampling: RequestedSampling = msgspec.field(default_factory=RequestedSampling)
     model: str = ""
     protocol: Literal["chat", "anthropic", "responses", "internal"] = "internal"
 
@@ -155,8 +155,8 @@ def _text_parts(content: Any, where: str, text_types: tuple[str, ...]) -> tuple[
     return "\n".join(parts), images
 
 
-def _sampling(body: dict[str, Any], max_keys: tuple[str, ...], stop_key: str) -> Sampling:
-    s = Sampling(stream=bool(body.get("stream", False)))
+def _sampling(body: dict[str, Any], max_keys: tuple[str, ...], stop_key: str) -> RequestedSampling:
+    s = RequestedSampling(stream=bool(body.get("stream", False)))
     for k in max_keys:
         if body.get(k) is not None:
             v = body[k]
