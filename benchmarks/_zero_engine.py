@@ -93,7 +93,7 @@ def make_app(ids: tuple[int, ...] = DEFAULT_IDS, text: str = DEFAULT_TEXT, token
 
     render = None
     if tokenize:
-        from pipeline.tokens.conversation import from_chat
+        from pipeline.tokens.from_wire import from_chat
         from pipeline.tokens.render import qwen3_renderer
 
         renderer = qwen3_renderer()

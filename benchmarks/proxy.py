@@ -109,7 +109,7 @@ def chat_body(prompt: str, tag: str, max_tokens: int, turn: int = 0) -> dict[str
 
 def build_prompt(target_tokens: int) -> tuple[str, int]:
     """A long user text whose rendered chat prompt is about ``target_tokens`` tokens; (text, rendered length)."""
-    from pipeline.tokens.conversation import from_chat
+    from pipeline.tokens.from_wire import from_chat
     from pipeline.tokens.render import qwen3_renderer
 
     r = qwen3_renderer()
@@ -125,7 +125,7 @@ def build_prompt(target_tokens: int) -> tuple[str, int]:
 
 def offline_render_ms(prompt: str, n: int = 40) -> float:
     """Mean Splicer.render time in this (quiet) process, fresh conversation each time, for reference."""
-    from pipeline.tokens.conversation import from_chat
+    from pipeline.tokens.from_wire import from_chat
     from pipeline.tokens.render import qwen3_renderer
     from pipeline.tokens.splice import Splicer
 
@@ -325,7 +325,7 @@ def pct(xs: list[float], q: float) -> float:
 def describe_workload(prompt: str, n_prompt: int, turns: int) -> str:
     if turns == 1:
         return f"{n_prompt}-token prompts"
-    from pipeline.tokens.conversation import from_chat
+    from pipeline.tokens.from_wire import from_chat
     from pipeline.tokens.render import qwen3_renderer
 
     n_last = len(qwen3_renderer().render_ids(from_chat(chat_body(prompt, "0-x-0-0", 16, turns - 1))))

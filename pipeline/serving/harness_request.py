@@ -14,13 +14,8 @@ import orjson
 from aiohttp import web
 
 from pipeline.serving.wire import ErrorKind, Protocol
-from pipeline.tokens.conversation import (
-    Conversation,
-    ConversionError,
-    from_anthropic,
-    from_chat,
-    from_responses,
-)
+from pipeline.tokens.conversation import Conversation
+from pipeline.tokens.from_wire import ConversionError, from_anthropic, from_chat, from_responses
 
 
 class ProxyError(Exception):

@@ -1,16 +1,7 @@
 import pytest
 
-from pipeline.tokens.conversation import (
-    IMAGE_PLACEHOLDER,
-    ConversionError,
-    Message,
-    RequestedSampling,
-    Tool,
-    ToolCall,
-    from_anthropic,
-    from_chat,
-    from_responses,
-)
+from pipeline.tokens.conversation import IMAGE_PLACEHOLDER, Message, RequestedSampling, Tool, ToolCall
+from pipeline.tokens.from_wire import ConversionError, from_anthropic, from_chat, from_responses
 
 
 # ----------------------------------------------------------------------------------- chat completions
