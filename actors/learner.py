@@ -22,8 +22,10 @@ from pipeline.core.config import NonNegInt, PosInt, RunSection, Section
 from pipeline.core.runtime import Actor
 from pipeline.messages import GroupDropped, Metric, PolicyUpdated, TreeGroup, ids, pack_i32, packed_hash
 from pipeline.models.small import VOCAB_FILE, load_vocab_table
-from pipeline.training.learner import Learner, LearnerConfig, load_policy
+from pipeline.training.learner import Learner
+from pipeline.training.learner_config import LearnerConfig
 from pipeline.training.loop import ColdStartReady, LearnerLoop, StepReady, sft_plan
+from pipeline.training.policy import load_policy
 
 
 class LearnerSettings(Section):
