@@ -5,7 +5,7 @@
 
 It serves these endpoints with the same fixed answer ("OK" then <|im_end|>):
 
-- ``POST /generate``: SGLang's native response shape (``reference/sglang-api.md``), what bridle's proxy calls
+- ``POST /generate``: SGLang's native response shape (docs/serving.md), what bridle's proxy calls
   through :class:`pipeline.serving.sglang_client.HttpEngine`;
 - ``POST /v1/chat/completions``: OpenAI-compatible, streamed as SSE when ``stream`` is true — the baseline the
   load client calls directly, and what LiteLLM forwards to;
