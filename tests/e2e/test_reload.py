@@ -180,8 +180,8 @@ async def test_tree_leaf_bound_and_aux_calls_apply_to_the_next_group():
 
         for r in with_subagent("main-only"):
             await lv.inbox.send(r)
-        c, kw = changed(c, include_aux=True)
         (_, main_only) = await lv.wait_for("groups", 2)
+        c, kw = changed(c, include_aux=True)
         await actor.on_config(c, kw)
         for r in with_subagent("with-aux"):
             await lv.inbox.send(r)
