@@ -9,7 +9,6 @@ cold start).
 
 from __future__ import annotations
 
-import random
 import shutil
 from functools import partial
 from pathlib import Path
@@ -23,8 +22,10 @@ from pipeline.core.config import NonNegInt, PosInt, RunSection, Section
 from pipeline.core.runtime import Actor
 from pipeline.messages import GroupDropped, Metric, PolicyUpdated, TreeGroup, ids, pack_i32, packed_hash
 from pipeline.models.small import VOCAB_FILE, load_vocab_table
-from pipeline.training.learner import Learner, LearnerConfig, load_policy
-from pipeline.training.loop import ColdStartReady, LearnerLoop, StepReady
+from pipeline.training.learner import Learner
+from pipeline.training.learner_config import LearnerConfig
+from pipeline.training.loop import ColdStartReady, LearnerLoop, StepReady, sft_plan
+from pipeline.training.policy import load_policy
 
 
 class LearnerSettings(Section):
@@ -123,16 +124,11 @@ class LearnerActor(Actor[LearnerSettings]):
         demos = sum(len(g.rollouts) for g in groups)
         self.log.info("cold-start SFT", packs=len(groups), dropped_packs=ready.dropped, demos=demos,
                       epochs=c.sft_epochs)
-        updates = c.sft_epochs * -(-len(groups) // c.sft_batch_groups)  # ceil: the plan, for the monitor's progress
-        if groups:
-            rng = random.Random(c.train.seed)
-            for epoch in range(c.sft_epochs):
-                order = list(groups)
-                rng.shuffle(order)
-                for i in range(0, len(order), c.sft_batch_groups):
-                    m = await anyio.to_thread.run_sync(self.learner.sft_step, order[i:i + c.sft_batch_groups],
-                                                    abandon_on_cancel=True)
-                    await self._metric(0, {**m, "sft_epoch": epoch, "sft_updates": updates}, phase="sft")
+        plan = sft_plan(groups, epochs=c.sft_epochs, batch_groups=c.sft_batch_groups, seed=c.train.seed)
+        for update in plan:
+            m = await anyio.to_thread.run_sync(self.learner.sft_step, update.packs, abandon_on_cancel=True)
+            # sft_updates: the plan's length, for the monitor's progress
+            await self._metric(0, {**m, "sft_epoch": update.epoch, "sft_updates": len(plan)}, phase="sft")
         path = await self._publish(0, {"sft_demos": demos}, packed_hash(groups))
         cfg = msgspec.structs.replace(c.rl_stage(self.ctx.run), initial_version=self.learner.version)
         self.learner = await anyio.to_thread.run_sync(Learner, str(path), cfg)

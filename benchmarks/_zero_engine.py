@@ -5,7 +5,7 @@
 
 It serves these endpoints with the same fixed answer ("OK" then <|im_end|>):
 
-- ``POST /generate``: SGLang's native response shape (``reference/sglang-api.md``), what bridle's proxy calls
+- ``POST /generate``: SGLang's native response shape (docs/serving.md), what bridle's proxy calls
   through :class:`pipeline.serving.sglang_client.HttpEngine`;
 - ``POST /v1/chat/completions``: OpenAI-compatible, streamed as SSE when ``stream`` is true — the baseline the
   load client calls directly, and what LiteLLM forwards to;
@@ -93,7 +93,7 @@ def make_app(ids: tuple[int, ...] = DEFAULT_IDS, text: str = DEFAULT_TEXT, token
 
     render = None
     if tokenize:
-        from pipeline.tokens.conversation import from_chat
+        from pipeline.tokens.from_wire import from_chat
         from pipeline.tokens.render import qwen3_renderer
 
         renderer = qwen3_renderer()

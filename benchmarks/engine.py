@@ -17,13 +17,13 @@ from pathlib import Path
 import anyio
 
 from pipeline.models.small import IM_END, IM_START, VocabTable, create_small_model
-from pipeline.serving.engine import Sampling
+from pipeline.serving.engine import EngineSampling
 from pipeline.serving.launch import launch_embedded
 
 
 async def measure(client, concurrency: int, prompt_len: int, tokens: int, rounds: int) -> tuple[float, float]:
     """(aggregate tokens/s, mean seconds per request) over ``rounds`` waves of ``concurrency`` requests."""
-    s = Sampling(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
+    s = EngineSampling(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
     total, latencies = 0, []
     t0 = time.perf_counter()
     for r in range(rounds):
@@ -33,7 +33,7 @@ async def measure(client, concurrency: int, prompt_len: int, tokens: int, rounds
             start = time.perf_counter()
             prompt = [IM_START] + [1000 + (i * 31 + j * 7 + r) % 500 for j in range(prompt_len)] + [IM_END]
             res = await client.generate(
-                prompt, Sampling(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "seed": i})
+                prompt, EngineSampling(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "seed": i})
             )
             total += len(res.output_ids)
             latencies.append(time.perf_counter() - start)

@@ -53,7 +53,8 @@ from pipeline.messages import (
 from pipeline.models.small import VocabTable, load_vocab_table
 from pipeline.rollout.taskgen import generate
 from pipeline.tokens.render import qwen3_renderer
-from pipeline.training.learner import Learner, LearnerConfig
+from pipeline.training.learner import Learner
+from pipeline.training.learner_config import LearnerConfig
 from pipeline.trees.packing import build_group
 
 ROOT = Path(__file__).resolve().parent.parent

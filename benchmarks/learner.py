@@ -30,7 +30,8 @@ import torch
 
 from pipeline.core.logs import configure
 from pipeline.messages import PackedTree, RolloutSummary, TreeGroup, ids, mask, pack_f32, pack_i32, pack_u8
-from pipeline.training.learner import Learner, LearnerConfig
+from pipeline.training.learner import Learner
+from pipeline.training.learner_config import LearnerConfig
 
 H200_BF16_TFLOPS = 989.0
 

@@ -240,7 +240,7 @@ class SettledRollout(_Msg, kw_only=True):
 
 # ------------------------------------------------------------------------------------------------ trees
 class PackedTree(msgspec.Struct, kw_only=True):
-    """A group's kept tree nodes laid out depth-first as one sequence (DESIGN.md §5).
+    """A group's kept tree nodes laid out depth-first as one sequence (docs/trees.md, "The packed layout").
 
     For each token i: ``positions[i]`` is its depth in its root-to-leaf path (the RoPE position);
     token j is visible to token i iff ``j <= i < subtree_end[j]``; ``pred[i]`` is the index whose logits predict

@@ -175,15 +175,23 @@ STAGE_ALIASES = {"trees": "tree"}
 
 
 def resolve_stage(exp: cfg.Experiment, names: list[str]) -> set[str]:
-    """Actor names for ``--stage``: an actor's name, its kind, or an alias ("trees" = the actor of kind "tree")."""
-    out = set()
+    """Actor names for ``--stage``: an actor's name, its kind, or an alias ("trees" = the actor of kind "tree").
+    Raises ConfigError naming what is none of these (before anything, the replay's run folder included, exists)."""
+    out, unknown = set(), set()
     for n in names:
         n = STAGE_ALIASES.get(n, n)
         if n in exp.graph.actors:
             out.add(n)
             continue
         by_kind = [a for a, kind in exp.graph.actors.items() if kind == n]
-        out.update(by_kind or [n])
+        out.update(by_kind)
+        if not by_kind:
+            unknown.add(n)
+    if unknown:
+        raise cfg.ConfigError(
+            f"--stage {','.join(sorted(unknown))}: not an actor of the recorded graph "
+            f"({', '.join(exp.graph.actors)})"
+        )
     return out
 
 
@@ -214,13 +222,8 @@ def compare_replay(original: Path, replayed: Path) -> dict[str, Any]:
 
 
 def replay_plan(exp: cfg.Experiment, stage: set[str]) -> dict[str, list[str]]:
-    """Which recorded outputs ("actor.output") feed which replayed actors: every edge from outside the stage in."""
-    unknown = stage - set(exp.graph.actors)
-    if unknown:
-        raise cfg.ConfigError(
-            f"--stage {','.join(sorted(unknown))}: not an actor of the recorded graph "
-            f"({', '.join(exp.graph.actors)})"
-        )
+    """Which recorded outputs ("actor.output") feed which replayed actors (``stage``, from :func:`resolve_stage`):
+    every edge from outside the stage in."""
     plan: dict[str, list[str]] = {}
     for src, out, dst in exp.graph.parsed_edges():
         if dst in stage and src not in stage:

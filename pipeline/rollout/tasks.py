@@ -1,6 +1,6 @@
 """Tasks in the Harbor format: load and validate task folders, write generated tasks to disk.
 
-A task folder (see ``reference/harbor-tasks.md``)::
+A task folder (the Harbor format, docs/rollout.md)::
 
     my-task/
       task.toml          # config + free-form [metadata] (family, difficulty, oracle_actions, ...)

@@ -1,6 +1,6 @@
 """Verifiers on the local backend: run a task's ``tests/test.sh`` over a finished workspace, read the reward.
 
-The contract is Harbor's (``docs/rollout.md``): only after the harness has exited, ``tests/`` is copied into a
+The contract is Harbor's (docs/rollout.md, "Verifiers"): only after the harness has exited, ``tests/`` is copied into a
 fresh directory the harness never saw, ``logs/verifier/`` is emptied (so nothing planted there counts),
 ``bash test.sh`` runs from the workspace under the verifier timeout in its own process group (the whole group is
 killed afterwards, so stragglers cannot outlive it), and the reward is read from ``logs/verifier/reward.txt`` or

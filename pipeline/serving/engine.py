@@ -23,7 +23,7 @@ from pipeline.messages import VersionSpan
 FinishReason = Literal["stop", "length", "abort"]
 
 
-class Sampling(msgspec.Struct, kw_only=True, frozen=True):
+class EngineSampling(msgspec.Struct, kw_only=True, frozen=True):
     """One generation's sampling. Every field is sent explicitly: engine defaults differ between endpoints.
 
     ``top_k = -1`` and ``top_p = 1.0`` disable those filters; ``temperature = 0`` is greedy.
@@ -115,7 +115,7 @@ class Engine(Protocol):
     :class:`pipeline.serving.scripted.ScriptedEngine`."""
 
     async def generate(
-        self, input_ids: Sequence[int], sampling: Sampling, *, rid: str | None = None
+        self, input_ids: Sequence[int], sampling: EngineSampling, *, rid: str | None = None
     ) -> GenerateResult: ...
 
     async def update_weights(self, path: str, version: int | str) -> None: ...

@@ -10,13 +10,14 @@ paths without ``/v1`` are accepted, since base-URL conventions differ between cl
 follow are in docs/wire-protocols.md.
 
 Errors are answered in the protocol of the endpoint, with ``x-should-retry: false`` where retrying cannot help, so a
-broken request or engine never turns into a retry storm (every retry would be a dead leaf in the tree).
+broken request or engine never turns into a retry storm (every retry would be a dead leaf in the tree). Reading and
+refusing a request: harness_request.py; the engine call, its retries and errors: engine_call.py; when the answer's
+bytes go out: streaming.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -39,29 +40,24 @@ from pipeline.messages import (
     ModelCall,
     RolloutRequest,
     SamplingParams,
-    VersionSpan,
     pack_f32,
     pack_i32,
 )
-from pipeline.serving.engine import (
-    Engine,
-    EngineBadRequest,
-    EngineError,
-    EngineUnavailable,
-    GenerateResult,
-    Sampling,
+from pipeline.serving.engine import Engine, EngineSampling
+from pipeline.serving.engine_call import result_versions, run_engine
+from pipeline.serving.harness_request import (
+    ProxyError,
+    convert,
+    error_response,
+    include_usage,
+    read_body,
+    request_token,
 )
 from pipeline.serving.labels import detect_label
 from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse
 from pipeline.serving.streaming import finish_stream, watch_engine
 from pipeline.serving.wire import PROTOCOLS, ErrorKind, Protocol, Reply, StreamState
-from pipeline.tokens.conversation import (
-    Conversation,
-    ConversionError,
-    from_anthropic,
-    from_chat,
-    from_responses,
-)
+from pipeline.tokens.conversation import Conversation
 from pipeline.tokens.render import Renderer
 from pipeline.tokens.splice import RenderPlan, RenderResult, Splicer
 
@@ -123,30 +119,6 @@ class _Call:
     ctx: dict[str, Any]  # log context, bound only when something is logged
     stream: bool
     sstate: StreamState
-
-
-class ProxyError(Exception):
-    def __init__(self, kind: ErrorKind, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-def _token(request: web.Request) -> str:
-    key = request.headers.get("x-api-key", "")
-    if key:
-        return key.strip()
-    auth = request.headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return ""
-
-
-def _result_versions(res: GenerateResult, fallback: int) -> list[VersionSpan]:
-    try:
-        spans = res.spans()
-    except EngineError:
-        spans = []
-    return spans or [VersionSpan(0, fallback)]
 
 
 class Proxy:
@@ -261,60 +233,24 @@ class Proxy:
         })
 
     # -------------------------------------------------------------------------------------- helpers
-    def _error(self, proto: Protocol, kind: ErrorKind, message: str) -> web.Response:
-        status, body = proto.error(kind, message)
-        headers = {"x-should-retry": "false"} if kind not in ("overloaded",) else {}
-        return web.json_response(body, status=status, headers=headers)
-
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ProxyError("too_large", f"request body over {self.settings.max_body_bytes} bytes") from None
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            # orjson refuses some JSON that clients do send and json accepts (lone surrogate escapes from truncated
-            # tool output, integers over 64 bits); json also words the error for the client
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ProxyError("invalid_request", f"body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ProxyError("invalid_request", f"body must be a JSON object, got {type(body).__name__}")
-        return body
-
     def _auth(self, request: web.Request) -> RolloutState:
-        token = _token(request)
+        token = request_token(request)
         st = self.rollouts.get(token) if token else None
         if st is None:
             raise ProxyError("authentication",
                              "missing or unknown rollout token (send it as x-api-key or Authorization: Bearer)")
         return st
 
-    @staticmethod
-    def _convert(protocol: str, body: dict[str, Any]) -> Conversation:
-        try:
-            if protocol == "chat":
-                return from_chat(body)
-            if protocol == "anthropic":
-                return from_anthropic(body)
-            return from_responses(body)
-        except ConversionError as e:
-            raise ProxyError("invalid_request", str(e)) from None
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ProxyError("invalid_request", f"malformed request: {type(e).__name__}: {e}") from None
-
     async def count_tokens(self, request: web.Request) -> web.Response:
         proto = PROTOCOLS["anthropic"]
         try:
             self._auth(request)
-            body = await self._body(request)
+            body = await read_body(request, self.settings.max_body_bytes)
             body.setdefault("max_tokens", 1)
-            conv = self._convert("anthropic", body)
+            conv = convert("anthropic", body)
             n = len(self.renderer.render_ids(conv))
         except ProxyError as e:
-            return self._error(proto, e.kind, str(e))
+            return error_response(proto, e.kind, str(e))
         return web.json_response({"input_tokens": int(n)})
 
     def _handler(self, protocol: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -329,10 +265,10 @@ class Proxy:
         received = time.time()
         try:
             st = self._auth(request)
-            body = await self._body(request)
-            conv = self._convert(protocol, body)
+            body = await read_body(request, self.settings.max_body_bytes)
+            conv = convert(protocol, body)
         except ProxyError as e:
-            return self._error(proto, e.kind, str(e))
+            return error_response(proto, e.kind, str(e))
         req = st.request
         label = detect_label(protocol, request.headers, body, conv, self.settings.subagent_model)
         call_id = os.urandom(8).hex()
@@ -345,17 +281,17 @@ class Proxy:
             rendered, render_s = await self._render(st, conv)
         except Exception as e:  # noqa: BLE001 — a conversation the template cannot render is the request's fault
             self.log.bind(**ctx).warning("render failed", error=repr(e))
-            return self._error(proto, "invalid_request", f"cannot render this conversation: {e}")
+            return error_response(proto, "invalid_request", f"cannot render this conversation: {e}")
         self.render_seconds += render_s
         input_ids = rendered.ids
         n_in = int(input_ids.shape[0])
         room = self.settings.context_len - n_in
         if room <= 0:
-            return self._error(proto, "context_length",
+            return error_response(proto, "context_length",
                                f"prompt is {n_in} tokens; the context length is {self.settings.context_len}")
         sp = req.sampling
         asked = conv.sampling.max_tokens
-        sampling = Sampling(
+        sampling = EngineSampling(
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             max_new_tokens=max(1, min(sp.max_new_tokens, room, asked if asked else sp.max_new_tokens)),
             stop_token_ids=tuple(st.splicer.stop_ids),
@@ -366,7 +302,7 @@ class Proxy:
         call = _Call(
             request=request, proto=proto, conv=conv, st=st, call_id=call_id, seq=seq, label=label, model=model,
             received=received, ctx=ctx, stream=bool(conv.sampling.stream),
-            sstate=proto.new_state(model, n_in, include_usage=_include_usage(body)),
+            sstate=proto.new_state(model, n_in, include_usage=include_usage(body)),
         )
         st.pending.add(call_id)
         await self.emit(CallStarted(rollout_id=req.rollout_id, call_id=call_id, seq=seq, t=received))
@@ -389,7 +325,7 @@ class Proxy:
             return rendered, plan_s + tokenize_s
 
     async def _generate_and_answer(
-        self, call: _Call, input_ids: Any, sampling: Sampling, rendered: RenderResult, render_s: float
+        self, call: _Call, input_ids: Any, sampling: EngineSampling, rendered: RenderResult, render_s: float
     ) -> web.StreamResponse:
         st, proto, sstate = call.st, call.proto, call.sstate
         engine = self.engine_for(st)
@@ -399,7 +335,7 @@ class Proxy:
         # within the first watch tick, and a task group + event + cancel scope per call cost more than the rest of
         # the waiting.
         task = asyncio.get_running_loop().create_task(
-            _run_engine(engine, input_ids, sampling, rid, self.settings.engine_retries))
+            run_engine(engine, input_ids, sampling, rid, self.settings.engine_retries))
         resp, disconnected = await watch_engine(call.request, call.proto, call.sstate, call.stream, task, engine, rid,
                                                 stream_head_s=self.settings.stream_head_s,
                                                 keepalive_s=self.settings.keepalive_s)
@@ -447,7 +383,7 @@ class Proxy:
             protocol=proto.name,  # type: ignore[arg-type]
             label=call.label,  # type: ignore[arg-type]
             input_ids=pack_i32(input_ids), output_ids=pack_i32(out_ids), logprobs=pack_f32(result.logprobs),
-            versions=_result_versions(result, self.policy_version), finish_reason=finish,
+            versions=result_versions(result, self.policy_version), finish_reason=finish,
             spliced_turns=len(rendered.spliced_turns), rendered_turns=len(rendered.rendered_turns), model=call.model,
             timings=CallTimings(received=call.received, engine_start=engine_start, engine_end=engine_end,
                                 sent=time.time(), render_s=render_s),
@@ -469,41 +405,10 @@ class Proxy:
         await self._fail(call, reason)
         if call.stream:
             return await finish_stream(call.request, resp, head, call.proto.stream_error(call.sstate, kind, message))
-        return self._error(call.proto, kind, message)
+        return error_response(call.proto, kind, message)
 
 
 def _timed_tokenize(splicer: Splicer, plan: RenderPlan) -> tuple[RenderResult, float]:
     t0 = time.perf_counter()
     rendered = splicer.tokenize(plan)
     return rendered, time.perf_counter() - t0
-
-
-ENGINE_RETRY_S = 0.5
-
-
-async def _run_engine(
-    engine: Engine, input_ids: Any, sampling: Sampling, rid: str, retries: int = 0
-) -> tuple[GenerateResult | None, tuple[ErrorKind, str] | None]:
-    """(result, None), or (None, (error kind, message)) for an engine failure the client is told about. A failure
-    of the engine itself (EngineUnavailable) is retried ``retries`` times first."""
-    for attempt in range(retries + 1):
-        try:
-            return await engine.generate(input_ids, sampling, rid=rid), None
-        except EngineBadRequest as e:
-            msg = str(e)
-            return None, ("context_length" if "context" in msg.lower() or "longer" in msg.lower()
-                          else "invalid_request", msg)
-        except EngineUnavailable as e:
-            if attempt == retries:
-                return None, ("server", f"engine failed: {e}" + (f" ({retries + 1} attempts)" if retries else ""))
-            get_logger(actor="proxy").warning("engine failed; asking it again", rid=rid, attempt=attempt + 1,
-                                              error=str(e))
-            await asyncio.sleep(ENGINE_RETRY_S)
-        except EngineError as e:
-            return None, ("server", f"engine failed: {e}")
-    raise AssertionError("unreachable")
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    so = body.get("stream_options")
-    return isinstance(so, dict) and bool(so.get("include_usage"))

@@ -38,7 +38,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from pipeline.serving.engine import EngineBadRequest, EngineUnavailable, GenerateResult, Sampling
+from pipeline.serving.engine import EngineBadRequest, EngineSampling, EngineUnavailable, GenerateResult
 from pipeline.tokens.conversation import Message, ToolCall
 from pipeline.tokens.render import Renderer
 
@@ -125,7 +125,9 @@ class ScriptedEngine:
         assert body.startswith(head), body[:40]
         return self.renderer.tokenizer.encode(body[len(head):])
 
-    async def generate(self, input_ids: Sequence[int], sampling: Sampling, *, rid: str | None = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: Sequence[int], sampling: EngineSampling, *, rid: str | None = None
+    ) -> GenerateResult:
         await self._paused.wait()
         rid = rid or f"scripted-{self.calls}"
         if len(input_ids) >= self.context_length:

@@ -26,9 +26,9 @@ from pipeline.core.logs import get_logger
 from pipeline.serving.engine import (
     EngineBadRequest,
     EngineProtocolError,
+    EngineSampling,
     EngineUnavailable,
     GenerateResult,
-    Sampling,
 )
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ log = get_logger(actor="engine_client")
 _JSON = {"Content-Type": "application/json"}
 
 
-def generate_body(input_ids: Sequence[int], sampling: Sampling, rid: str) -> dict[str, Any]:
+def generate_body(input_ids: Sequence[int], sampling: EngineSampling, rid: str) -> dict[str, Any]:
     """A native, non-streaming ``/generate`` body asking for the output tokens' logprobs."""
     return {
         "rid": rid,
@@ -320,7 +320,7 @@ class HttpEngine:
 
     # --------------------------------------------------------------------------------------- generation
     async def generate(
-        self, input_ids: Sequence[int], sampling: Sampling, *, rid: str | None = None
+        self, input_ids: Sequence[int], sampling: EngineSampling, *, rid: str | None = None
     ) -> GenerateResult:
         rid = rid or uuid.uuid4().hex
         url = self._generate_url

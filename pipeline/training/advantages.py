@@ -1,4 +1,4 @@
-"""Advantages over a packed tree (DESIGN.md §6).
+"""Advantages over a packed tree (docs/learner.md, "One RL step").
 
 Both estimators work per rollout *slot* (``PackedTree.rollout``), never per path or per segment: every segment of
 a rollout (a compaction restart) and every kept branch shares that rollout's number, and the group statistics

@@ -1,4 +1,6 @@
-"""The learner's compute: one optimization step over a batch of TreeGroups, SFT, weight saving, checkpoints.
+"""The learner's compute: one optimization step over a batch of TreeGroups, SFT, weight saving, checkpoints. What
+it optimizes is configured by :class:`pipeline.training.learner_config.LearnerConfig`; the module it trains is
+:class:`pipeline.training.policy.PolicyValue`.
 
 Synchronous by design — the learner actor runs these methods in a worker thread so the event loop stays free.
 Accelerate owns device placement, mixed precision and (under ``accelerate launch``) the gradient all-reduce.
@@ -28,21 +30,21 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-import msgspec
 import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt
 from pipeline.core.logs import get_logger
 from pipeline.messages import TreeGroup
 from pipeline.training import advantages as adv
 from pipeline.training import batches, losses
 from pipeline.training.batches import MicroBatch
+from pipeline.training.learner_config import LearnerConfig
+from pipeline.training.policy import PolicyValue, load_policy
 
 
 def _log() -> Any:
@@ -63,104 +65,6 @@ _TOKENIZER_FILES = (
     "generation_config.json",
     "chat_template.jinja",
 )
-
-
-class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # optimizer and schedule
-    lr: PosFloat = 1e-6
-    weight_decay: NonNegFloat = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: PosFloat = 1e-8
-    max_grad_norm: PosFloat = 1.0
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: NonNegInt = 0  # optimizer steps of linear warm-up
-    # Optimizer steps the linear/cosine decay spans. 0 in an experiment: [run].steps x epochs x minibatches (the
-    # learner actor fills it in); the Learner itself needs it > 0 for those schedules.
-    total_steps: NonNegInt = 0
-    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
-    # objective
-    advantage: Literal["grpo", "ppo"] = "grpo"
-    grpo_eps: PosFloat = 1e-6
-    grpo_scale_by_std: bool = True
-    train_statuses: list[str] = msgspec.field(default_factory=lambda: list(adv.DEFAULT_TRAIN_STATUSES))
-    clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
-    clip_high: NonNegFloat = 0.28
-    tis_cap: PosFloat = 2.0  # c_bar of token-level truncated importance sampling
-    kl_coef: NonNegFloat = 0.0  # k3 KL to the initial policy; a frozen copy is kept only when > 0
-    entropy_coef: float = 0.0  # a bonus; negative penalizes entropy
-    value_coef: NonNegFloat = 0.5  # PPO only
-    value_clip: PosFloat | None = 0.2
-    value_warmup_steps: NonNegInt = 0  # PPO: first train_steps fit only the value head; the policy does not move
-    value_trunk_grad: bool = False  # let the value loss reach the shared transformer (off: head only)
-    epochs: PosInt = 1
-    minibatches: PosInt = 1
-    # token_mean: every trainable token weighs the same, so long rollouts weigh more. seq_mean_token_mean: every
-    # rollout weighs the same; with many long failing samples (a small policy's garbage runs to max_new_tokens)
-    # token_mean tilts each step towards pushing logits down, which lifts every other token and can end in a
-    # uniform policy — the per-rollout mean keeps a group's advantages summing to zero.
-    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    # compute
-    micro_batch_tokens: PosInt = 16384
-    logits_chunk: PosInt = 4096  # rows of (rows x vocab) logits materialized at once
-    # auto: flex on CUDA, dense otherwise. flex runs forward-only on CPU (inductor; torch has no CPU backward);
-    # reference runs every root-to-leaf path as its own sequence and is for tests.
-    attention: Literal["auto", "flex", "dense", "reference"] = "auto"
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, no otherwise
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    initial_version: NonNegInt = 0
-
-
-class PolicyValue(nn.Module):
-    """The causal LM plus a zero-initialized linear value head on its final hidden states.
-
-    ``forward`` returns, for selected rows of hidden states, the log-prob of a target token, the entropy and the
-    value — so that everything goes through one module call (which DDP needs to see for its gradient hooks).
-    """
-
-    def __init__(self, policy: nn.Module):
-        super().__init__()
-        self.policy = policy
-        hidden = policy.config.get_text_config().hidden_size
-        self.value_head = nn.Linear(hidden, 1, dtype=torch.float32)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: Any,
-        rows: torch.Tensor,
-        targets: torch.Tensor,
-        temperature: float | torch.Tensor = 1.0,
-        logits_chunk: int = 4096,
-        values: Literal["none", "detached", "attached"] = "none",
-    ) -> dict[str, torch.Tensor]:
-        out = self.policy.base_model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
-        )
-        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[rows]
-        logp, ent = losses.logprobs_and_entropy(
-            hidden, self.policy.get_output_embeddings(), targets, temperature, logits_chunk
-        )
-        res = {"logp": logp, "entropy": ent}
-        if values != "none":
-            h = hidden.detach() if values == "detached" else hidden
-            res["value"] = self.value_head(h.float()).squeeze(-1)
-        return res
-
-
-def load_policy(path: str | os.PathLike[str], config: LearnerConfig) -> nn.Module:
-    """The causal LM in a HF folder, in the config's parameter dtype (the slow part of building a Learner)."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"Learner model path {path} does not exist")
-    dtype = torch.float32 if config.param_dtype == "float32" else torch.bfloat16
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 class Learner:

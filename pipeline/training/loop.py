@@ -14,10 +14,14 @@ unit-tested (tests/training/test_loop.py).
   scheduler already bounds it).
 - A step is checkpointed before it is announced when it is the last one or a multiple of ``checkpoint_every``, so a
   step the event log shows as done is always in a checkpoint and ``--resume`` neither repeats nor skips one.
+- The cold start's SFT updates (:func:`sft_plan`): every pack once per epoch, in an order shuffled anew each epoch
+  by a generator seeded once for the whole plan, ``batch_groups`` packs per update (the last one of an epoch may be
+  smaller).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from pipeline.messages import GroupDropped, TreeGroup
@@ -29,6 +33,25 @@ class ColdStartReady:
 
     packs: list[TreeGroup]
     dropped: int
+
+
+@dataclass
+class SftUpdate:
+    """One optimizer update of the cold start: ``packs`` trained together, in pass ``epoch`` (0-based)."""
+
+    epoch: int
+    packs: list[TreeGroup]
+
+
+def sft_plan(packs: list[TreeGroup], *, epochs: int, batch_groups: int, seed: int) -> list[SftUpdate]:
+    """The cold start's updates, in order. The same packs and seed give the same plan (replay depends on it)."""
+    rng = random.Random(seed)
+    plan: list[SftUpdate] = []
+    for epoch in range(epochs):
+        order = list(packs)
+        rng.shuffle(order)
+        plan.extend(SftUpdate(epoch, order[i:i + batch_groups]) for i in range(0, len(order), batch_groups))
+    return plan
 
 
 @dataclass

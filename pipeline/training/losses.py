@@ -1,5 +1,6 @@
-"""Per-token loss terms (DESIGN.md §6). Every function returns one value per token; the learner sums them and
-divides by the number of trainable tokens in the batch, so micro-batches add up to the token mean exactly.
+"""Per-token loss terms (docs/learner.md, "One RL step"). Every function returns one value per token; the learner
+sums them and divides by the number of trainable tokens in the batch, so micro-batches add up to the token mean
+exactly.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Attention over a packed prefix tree (DESIGN.md §5), three ways.
+"""Attention over a packed prefix tree (docs/learner.md, "Tree attention"), three ways.
 
 A :class:`~pipeline.messages.PackedTree` lays a group's tree out depth-first; token j is visible to token i iff
 ``j <= i < subtree_end[j]``, and token i is predicted by the hidden state at ``pred[i]`` — the previous token inside

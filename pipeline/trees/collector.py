@@ -1,4 +1,4 @@
-"""Settling: deciding when a rollout's records are complete (DESIGN.md §2, Collector).
+"""Settling: deciding when a rollout's records are complete (docs/trees.md, "Settling").
 
 Harnesses retry and clean up in the background, so the end of the harness process is not the end of its records.
 A rollout is *settled* when its RolloutFinished has arrived, no call is pending (started but neither recorded nor

@@ -1,4 +1,4 @@
-"""Pack a group's filtered trees into one depth-first sequence for the learner (DESIGN.md §5).
+"""Pack a group's filtered trees into one depth-first sequence for the learner (docs/trees.md).
 
 The kept nodes of all valid rollouts of a group go into one forest. Environment tokens above any trained token (the
 group's common prompt: system + task, identical across rollouts and segments) are merged and stored once; trained

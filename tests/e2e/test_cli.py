@@ -143,9 +143,12 @@ def test_run_then_replay_summary_and_stage(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, check=True)
     assert json.loads(r.stdout.strip().splitlines()[-1])["run_dir"] == str(tmp_path / "replay")
     assert sink_rows(sink2) == sink_rows(sink)
-    r = subprocess.run(RUN + ["--replay", str(run_dir / "events.msgpack"), "--stage", "nope"],
+    runs = tmp_path / "runs"  # where a replay without --run-dir makes its folder
+    r = subprocess.run(RUN + ["--replay", str(run_dir / "events.msgpack"), "--stage", "nope",
+                              "--set", f'experiment.runs_dir="{runs}"'],
                        capture_output=True, text=True, cwd=ROOT, check=False)
-    assert r.returncode == 2 and "not an actor of the recorded graph" in r.stderr
+    assert r.returncode == 2 and "--stage nope: not an actor of the recorded graph" in r.stderr
+    assert not runs.exists()  # refused before the run folder is made
 
 
 @pytest.mark.parametrize("args", [[], ["--experiment"]])

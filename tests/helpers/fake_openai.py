@@ -1,6 +1,6 @@
 """A small OpenAI-compatible Chat Completions server for tests: streams what a policy callable returns.
 
-It speaks the way the bridle proxy does (reference/wire-protocols.md section 2): HTTP/1.1 with chunked
+It speaks the way the bridle proxy does (docs/wire-protocols.md, Chat Completions): HTTP/1.1 with chunked
 transfer, a role chunk first, ``: keepalive`` comments, content in pieces, tool-call deltas whose first
 fragment carries index/id/name and later ones only argument pieces (fragments of different calls
 interleaved), a usage chunk with ``choices: []`` and ``data: [DONE]``. Listens on 127.0.0.1 or a Unix socket.

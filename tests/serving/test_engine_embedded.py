@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.models.small import IM_END, IM_START, VocabTable, create_small_model, load_vocab_table
-from pipeline.serving.engine import EngineBadRequest, GenerateResult, Sampling
+from pipeline.serving.engine import EngineBadRequest, EngineSampling, GenerateResult
 from pipeline.serving.launch import launch_embedded
 from pipeline.serving.sglang_client import HttpEngine, generate_body, parse_generate
 
@@ -66,7 +66,7 @@ def engine(tmp_path_factory):
             yield Engine(client.base_url, {str(v): str(p1 if v % 2 else p0) for v in range(5)})
 
 
-async def generate_stream(url: str, input_ids: list[int], sampling: Sampling) -> AsyncIterator[GenerateResult]:
+async def generate_stream(url: str, input_ids: list[int], sampling: EngineSampling) -> AsyncIterator[GenerateResult]:
     """The engine's streaming /generate as snapshots: cumulative ``data:`` chunks, the last one finished.
 
     The pipeline never streams from the engine (HttpEngine sends non-streaming calls only); the engine still
@@ -116,7 +116,7 @@ def prompt_of(i: int, n: int) -> list[int]:
 
 def test_greedy_logprobs_equal_teacher_forcing(engine):
     prompt = prompt_of(0, 12) + [UNKNOWN_ID]
-    s = Sampling(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    s = EngineSampling(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     res = engine.run(lambda c: c.generate(prompt, s, rid="greedy-1"))
     assert res.rid == "greedy-1" and res.finish_reason == "length" and len(res.output_ids) == 24
     assert res.prompt_tokens == len(prompt) and res.version_spans == [(0, "0")]
@@ -133,14 +133,14 @@ def test_greedy_logprobs_equal_teacher_forcing(engine):
 
 
 def test_concurrent_padded_batch_logprobs_equal_teacher_forcing(engine):
-    s = Sampling(temperature=0.7, top_p=0.9, top_k=30, max_new_tokens=40, ignore_eos=True)
+    s = EngineSampling(temperature=0.7, top_p=0.9, top_k=30, max_new_tokens=40, ignore_eos=True)
     prompts = [prompt_of(i, 3 + 9 * i) for i in range(8)]  # different lengths -> left padding in the batch
 
     async def go(c):
         results = [None] * len(prompts)
 
         async def one(i):
-            results[i] = await c.generate(prompts[i], Sampling(**{**_fields(s), "seed": i}), rid=f"b{i}")
+            results[i] = await c.generate(prompts[i], EngineSampling(**{**_fields(s), "seed": i}), rid=f"b{i}")
 
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
@@ -156,14 +156,14 @@ def test_concurrent_padded_batch_logprobs_equal_teacher_forcing(engine):
         assert torch.allclose(torch.tensor(res.logprobs), ref, atol=1e-4, rtol=0), (res.logprobs, ref)
 
 
-def _fields(s: Sampling) -> dict:
+def _fields(s: EngineSampling) -> dict:
     return {f: getattr(s, f) for f in s.__struct_fields__}
 
 
 def test_unseeded_requests_sample_independently(engine):
     # GRPO needs G different samples of one prompt: unseeded requests must not share a generator seed.
     prompt = prompt_of(3, 10)
-    s = Sampling(temperature=1.0, max_new_tokens=20, ignore_eos=True)
+    s = EngineSampling(temperature=1.0, max_new_tokens=20, ignore_eos=True)
 
     async def go(c):
         return [await c.generate(prompt, s) for _ in range(4)]
@@ -174,20 +174,20 @@ def test_unseeded_requests_sample_independently(engine):
 
 def test_seed_gives_the_same_tokens_alone_and_in_a_batch(engine):
     prompt = prompt_of(3, 10)
-    s = Sampling(temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=1234)
+    s = EngineSampling(temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=1234)
 
     async def go(c):
         alone = await c.generate(prompt, s)
         crowd = {}
 
         async def one(i):
-            crowd[i] = await c.generate(prompt_of(i, 5 + i), Sampling(**{**_fields(s), "seed": 1000 + i}))
+            crowd[i] = await c.generate(prompt_of(i, 5 + i), EngineSampling(**{**_fields(s), "seed": 1000 + i}))
 
         async with anyio.create_task_group() as tg:
             for i in range(6):
                 tg.start_soon(one, i)
             again = await c.generate(prompt, s)
-        other = await c.generate(prompt, Sampling(**{**_fields(s), "seed": 99}))
+        other = await c.generate(prompt, EngineSampling(**{**_fields(s), "seed": 99}))
         return alone, again, other
 
     alone, again, other = engine.run(go)
@@ -198,21 +198,21 @@ def test_seed_gives_the_same_tokens_alone_and_in_a_batch(engine):
 
 def test_stop_token_is_included_and_length_finishes(engine):
     prompt = prompt_of(5, 8)
-    greedy = Sampling(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    greedy = EngineSampling(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     first = engine.run(lambda c: c.generate(prompt, greedy))
     stop = first.output_ids[4]
     cut = first.output_ids.index(stop)
-    res = engine.run(lambda c: c.generate(prompt, Sampling(**{**_fields(greedy), "stop_token_ids": (stop,)})))
+    res = engine.run(lambda c: c.generate(prompt, EngineSampling(**{**_fields(greedy), "stop_token_ids": (stop,)})))
     assert res.finish_reason == "stop" and res.matched_stop == stop
     assert res.output_ids == first.output_ids[: cut + 1]
     assert res.logprobs == pytest.approx(first.logprobs[: cut + 1], abs=1e-5)
-    zero = engine.run(lambda c: c.generate(prompt, Sampling(max_new_tokens=0)))
+    zero = engine.run(lambda c: c.generate(prompt, EngineSampling(max_new_tokens=0)))
     assert zero.finish_reason == "length" and zero.output_ids == []
 
 
 def test_context_limit_ends_with_length(engine):
     prompt = prompt_of(1, CONTEXT - 10)
-    res = engine.run(lambda c: c.generate(prompt, Sampling(max_new_tokens=100, ignore_eos=True)))
+    res = engine.run(lambda c: c.generate(prompt, EngineSampling(max_new_tokens=100, ignore_eos=True)))
     assert res.finish_reason == "length" and len(prompt) + len(res.output_ids) == CONTEXT
 
 
@@ -222,7 +222,7 @@ def test_abort_returns_partial_output(engine):
 
         async def long():
             got.append(
-                await c.generate(prompt_of(2, 5), Sampling(max_new_tokens=400, ignore_eos=True), rid="ab-1")
+                await c.generate(prompt_of(2, 5), EngineSampling(max_new_tokens=400, ignore_eos=True), rid="ab-1")
             )
 
         async with anyio.create_task_group() as tg:
@@ -242,7 +242,7 @@ def test_32_concurrent_requests_share_one_batch(engine):
 
         async def one(i):
             results[i] = await c.generate(
-                prompt_of(i, 4 + i % 7), Sampling(max_new_tokens=16, ignore_eos=True)
+                prompt_of(i, 4 + i % 7), EngineSampling(max_new_tokens=16, ignore_eos=True)
             )
 
         before = await c.server_info()
@@ -266,7 +266,7 @@ def test_32_concurrent_requests_share_one_batch(engine):
 
 def test_streaming_chunks_are_cumulative_and_match_non_streaming(engine):
     prompt = prompt_of(4, 6)
-    s = Sampling(temperature=0.9, max_new_tokens=10, ignore_eos=True, seed=7)
+    s = EngineSampling(temperature=0.9, max_new_tokens=10, ignore_eos=True, seed=7)
 
     async def go(c):
         chunks = [r async for r in generate_stream(engine.url, prompt, s)]
@@ -309,7 +309,7 @@ def test_bad_input_gets_400_and_the_engine_keeps_serving(engine):
             await c.update_weights("/nonexistent/ckpt", 9)
         except EngineBadRequest as e:
             out.append((400, str(e)))
-        ok = await c.generate([IM_START, 2000], Sampling(max_new_tokens=2, ignore_eos=True))
+        ok = await c.generate([IM_START, 2000], EngineSampling(max_new_tokens=2, ignore_eos=True))
         return out, ok, await c.health(), await c.model_info()
 
     out, ok, healthy, info = engine.run(go)
@@ -324,15 +324,15 @@ def test_update_weights_mid_request_records_version_spans(engine):
     """Pause after a few streamed tokens, swap weights, continue: tokens after the swap come from version 1,
     and every token's logprob equals teacher forcing with the weights that sampled it."""
     prompt = prompt_of(6, 9)
-    s = Sampling(temperature=0.8, max_new_tokens=30, ignore_eos=True, seed=5)
-    long = Sampling(**{**_fields(s), "max_new_tokens": 300})
+    s = EngineSampling(temperature=0.8, max_new_tokens=30, ignore_eos=True, seed=5)
+    long = EngineSampling(**{**_fields(s), "max_new_tokens": 300})
 
     async def go(c):
         others = []
         start = (await c.model_info())["weight_version"]
 
         async def other(i):
-            others.append((i, await c.generate(prompt_of(i, 4 + i), Sampling(**{**_fields(s), "seed": i}))))
+            others.append((i, await c.generate(prompt_of(i, 4 + i), EngineSampling(**{**_fields(s), "seed": i}))))
 
         async with anyio.create_task_group() as tg:
             for i in range(3):
@@ -367,7 +367,7 @@ def test_update_weights_mid_request_records_version_spans(engine):
 
 def test_update_weights_without_pause_fails_no_request(engine):
     """An update lands between two decode steps of a running batch; every request finishes normally."""
-    s = Sampling(temperature=1.0, max_new_tokens=300, ignore_eos=True)
+    s = EngineSampling(temperature=1.0, max_new_tokens=300, ignore_eos=True)
     prompts = [prompt_of(i, 5 + 2 * i) for i in range(8)]
 
     async def go(c):
@@ -375,7 +375,7 @@ def test_update_weights_without_pause_fails_no_request(engine):
         start = (await c.model_info())["weight_version"]
 
         async def one(i):
-            results[i] = await c.generate(prompts[i], Sampling(**{**_fields(s), "seed": 50 + i}))
+            results[i] = await c.generate(prompts[i], EngineSampling(**{**_fields(s), "seed": 50 + i}))
 
         async with anyio.create_task_group() as tg:
             for i in range(8):

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.serving.engine import EngineProtocolError, EngineUnavailable, Sampling
+from pipeline.serving.engine import EngineProtocolError, EngineSampling, EngineUnavailable
 from pipeline.serving.sglang_client import HttpEngine, _Conn
 
 ANSWER = {
@@ -110,7 +110,7 @@ def test_every_response_framing_and_connection_reuse(frame, reused, piece):
         srv.piece = piece
         async with srv as url, HttpEngine(url) as eng:
             for i in range(3):
-                res = await eng.generate([1, 2, 3], Sampling(), rid=f"r{i}")
+                res = await eng.generate([1, 2, 3], EngineSampling(), rid=f"r{i}")
                 assert res.output_ids == [7, 8] and res.logprobs == [-0.5, -0.25] and res.rid == f"r{i}"
             assert [r["input_ids"] for r in srv.requests] == [[1, 2, 3]] * 3
             assert srv.connections == (1 if reused else 3)
@@ -122,12 +122,12 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced():
     async def main():
         srv = RawServer(content_length)
         async with srv as url, HttpEngine(url) as eng:
-            await eng.generate([1], Sampling(), rid="a")
+            await eng.generate([1], EngineSampling(), rid="a")
             # the server drops its idle keep-alive connections (uvicorn does after 5 s)
             srv.frame = close_after
-            await eng.generate([1], Sampling(), rid="b")  # answered, then closed by the server
+            await eng.generate([1], EngineSampling(), rid="b")  # answered, then closed by the server
             srv.frame = content_length
-            res = await eng.generate([1], Sampling(), rid="c")
+            res = await eng.generate([1], EngineSampling(), rid="c")
             assert res.rid == "c" and srv.connections == 2
 
     anyio.run(main)
@@ -137,14 +137,14 @@ def test_stale_pooled_connection_is_retried_once_on_a_fresh_one():
     async def main():
         srv = RawServer(content_length)
         async with srv as url, HttpEngine(url) as eng:
-            await eng.generate([1], Sampling(), rid="a")
+            await eng.generate([1], EngineSampling(), rid="a")
             [conn] = eng._idle
             # the server closed it, but the client has not noticed yet: mark it open again
             conn.transport.close()
             await anyio.sleep(0.05)
             conn.closed = False
             conn.transport = _WriteIntoVoid(conn)
-            res = await eng.generate([1], Sampling(), rid="b")
+            res = await eng.generate([1], EngineSampling(), rid="b")
             assert res.rid == "b" and srv.connections == 2
 
     anyio.run(main)
@@ -172,7 +172,7 @@ def test_cancelling_a_generation_closes_its_connection_and_the_engine_sees_it():
         srv.hold = True
         async with srv as url, HttpEngine(url) as eng:
             with anyio.move_on_after(0.2):
-                await eng.generate([1], Sampling(), rid="slow")
+                await eng.generate([1], EngineSampling(), rid="slow")
             with anyio.fail_after(5):
                 await srv.disconnected.wait()
             assert eng._idle == []
@@ -187,20 +187,20 @@ def test_timeouts_errors_and_garbage():
         async with srv as url:
             async with HttpEngine(url, timeout_s=0.2) as eng:
                 with pytest.raises(EngineUnavailable, match="timed out"):
-                    await eng.generate([1], Sampling(), rid="slow")
+                    await eng.generate([1], EngineSampling(), rid="slow")
             srv.hold = False
             srv.frame = lambda body: (b"HTTP/1.1 abc\r\n\r\n", True)
             async with HttpEngine(url) as eng:
                 with pytest.raises(EngineProtocolError, match="malformed HTTP response"):
-                    await eng.generate([1], Sampling(), rid="bad")
+                    await eng.generate([1], EngineSampling(), rid="bad")
             srv.frame = lambda body: (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{", True)
             async with HttpEngine(url) as eng:
                 with pytest.raises(EngineUnavailable, match="failed"):
-                    await eng.generate([1], Sampling(), rid="cut")
+                    await eng.generate([1], EngineSampling(), rid="cut")
             srv.frame = lambda body: (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy", False)
             async with HttpEngine(url) as eng:
                 with pytest.raises(EngineUnavailable, match="HTTP 503: busy"):
-                    await eng.generate([1], Sampling(), rid="busy")
+                    await eng.generate([1], EngineSampling(), rid="busy")
 
     anyio.run(main)
 

@@ -14,8 +14,8 @@ from pipeline.messages import VersionSpan
 from pipeline.serving.engine import (
     EngineBadRequest,
     EngineProtocolError,
+    EngineSampling,
     EngineUnavailable,
-    Sampling,
 )
 from pipeline.serving.launch import attach, free_port
 from pipeline.serving.sglang_client import HttpEngine, parse_generate
@@ -97,7 +97,7 @@ def run_with_fake(fn, replies: dict, n_servers: int = 1):
 
 
 def test_documented_stop_response_and_request_shape():
-    s = Sampling(temperature=0.7, top_p=0.95, top_k=40, max_new_tokens=1024, stop_token_ids=(151645,), seed=3)
+    s = EngineSampling(temperature=0.7, top_p=0.95, top_k=40, max_new_tokens=1024, stop_token_ids=(151645,), seed=3)
     res, fake = run_with_fake(
         lambda c, _: c.generate([151644, 872, 198, 3838], s, rid="roll-7f3a-0"),
         {"roll-7f3a-0": (200, DOC_STOP)},
@@ -144,7 +144,7 @@ def test_length_and_abort_finishes_and_integer_versions():
     abort["output_ids"] = []
 
     async def go(c, _):
-        return await c.generate([1], Sampling(), rid="len"), await c.generate([1], Sampling(), rid="ab")
+        return await c.generate([1], EngineSampling(), rid="len"), await c.generate([1], EngineSampling(), rid="ab")
 
     (r_len, r_ab), _ = run_with_fake(go, {"len": (200, length), "ab": (200, abort)})
     assert r_len.finish_reason == "length" and r_len.matched_stop is None
@@ -164,7 +164,7 @@ def test_meta_info_drift_is_tolerated():
             "output_token_logprobs": [[-0.5, 7], [-0.25, 8]],
         },
     }
-    res, _ = run_with_fake(lambda c, _: c.generate([1, 2], Sampling(), rid="d"), {"d": (200, drift)})
+    res, _ = run_with_fake(lambda c, _: c.generate([1, 2], EngineSampling(), rid="d"), {"d": (200, drift)})
     assert res.output_ids == [7, 8] and res.logprobs == [-0.5, -0.25] and res.finish_reason == "stop"
     assert res.weight_version == "" and res.version_spans == [] and res.prompt_tokens == 2
 
@@ -179,12 +179,12 @@ def test_errors_are_classified():
         out = []
         for rid in ("bad", "boom", "nolp", "mis", "notjson"):
             try:
-                await c.generate([1], Sampling(), rid=rid)
+                await c.generate([1], EngineSampling(), rid=rid)
             except Exception as e:  # noqa: BLE001 - collecting the classes is the point
                 out.append((type(e), str(e)))
         dead = HttpEngine(f"http://127.0.0.1:{free_port()}")
         try:
-            await dead.generate([1], Sampling())
+            await dead.generate([1], EngineSampling())
         except EngineUnavailable as e:
             out.append((type(e), str(e)))
         healthy = await dead.health()
@@ -280,9 +280,9 @@ def test_attach_waits_for_a_running_server():
 
 
 def test_sampling_seed_is_sent_only_when_set():
-    s = Sampling(temperature=0.6, top_k=20, max_new_tokens=77, stop_token_ids=(151645,), seed=4).to_sglang()
+    s = EngineSampling(temperature=0.6, top_k=20, max_new_tokens=77, stop_token_ids=(151645,), seed=4).to_sglang()
     assert s["stop_token_ids"] == [151645] and s["max_new_tokens"] == 77 and s["sampling_seed"] == 4
-    assert "sampling_seed" not in Sampling().to_sglang()
+    assert "sampling_seed" not in EngineSampling().to_sglang()
 
 
 @settings(max_examples=200, deadline=None)

@@ -14,7 +14,7 @@ import pytest
 from pipeline.messages import CallFailed, CallStarted, ModelCall, floats, ids
 from pipeline.serving.labels import detect_label
 from pipeline.serving.scripted import Script
-from pipeline.tokens.conversation import from_anthropic, from_chat
+from pipeline.tokens.from_wire import from_anthropic, from_chat
 from tests.helpers.proxyutil import (
     DONE,
     TOOLS_ANTHROPIC,

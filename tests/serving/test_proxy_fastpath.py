@@ -158,7 +158,7 @@ async def test_parallel_calls_of_one_rollout_render_in_threads_without_mixing():
                 tg.start_soon(one, t)
         calls = model_calls(records)
         renderer = p.renderer
-        from pipeline.tokens.conversation import from_chat
+        from pipeline.tokens.from_wire import from_chat
 
         expected = {len(renderer.render_ids(from_chat({"messages": [{"role": "user", "content": t}]})))
                     for t in texts}

@@ -1,16 +1,7 @@
 import pytest
 
-from pipeline.tokens.conversation import (
-    IMAGE_PLACEHOLDER,
-    ConversionError,
-    Message,
-    Sampling,
-    Tool,
-    ToolCall,
-    from_anthropic,
-    from_chat,
-    from_responses,
-)
+from pipeline.tokens.conversation import IMAGE_PLACEHOLDER, Message, RequestedSampling, Tool, ToolCall
+from pipeline.tokens.from_wire import ConversionError, from_anthropic, from_chat, from_responses
 
 
 # ----------------------------------------------------------------------------------- chat completions
@@ -62,7 +53,7 @@ def test_chat_tool_history_developer_and_sampling():
     }
     c = from_chat(body)
     assert c.protocol == "chat" and c.model == "policy"
-    assert c.sampling == Sampling(max_tokens=512, temperature=0.7, top_p=0.9, stop=["END"], stream=True)
+    assert c.sampling == RequestedSampling(max_tokens=512, temperature=0.7, top_p=0.9, stop=["END"], stream=True)
     assert [m.role for m in c.messages] == ["system", "user", "assistant", "tool", "tool", "assistant"]
     assert c.messages[0].content == "Be terse."
     assert c.messages[1].content == "look at\n" + IMAGE_PLACEHOLDER and c.messages[1].images == 1
@@ -154,7 +145,7 @@ CLAUDE_CODE_BODY = {
 def test_anthropic_claude_code_shape():
     c = from_anthropic(CLAUDE_CODE_BODY)
     assert c.protocol == "anthropic"
-    assert c.sampling == Sampling(max_tokens=64000, temperature=1.0, top_k=40, stop=["</stop>"], stream=True)
+    assert c.sampling == RequestedSampling(max_tokens=64000, temperature=1.0, top_k=40, stop=["</stop>"], stream=True)
     roles = [m.role for m in c.messages]
     assert roles == ["system", "user", "assistant", "tool", "tool", "user", "system", "assistant"]
     assert c.messages[0].content == "x-anthropic-billing-header: cc_version=2.1\nYou are Claude Code."
@@ -310,7 +301,7 @@ def test_responses_codex_shape():
 def test_responses_string_input_sampling_and_errors():
     c = from_responses({"input": "hello", "max_output_tokens": 100, "temperature": 0.2})
     assert [(m.role, m.content) for m in c.messages] == [("user", "hello")]
-    assert c.sampling == Sampling(max_tokens=100, temperature=0.2)
+    assert c.sampling == RequestedSampling(max_tokens=100, temperature=0.2)
     with pytest.raises(ConversionError, match=r"input\[0\]"):
         from_responses({"input": [{"content": "no type or role"}]})
     with pytest.raises(ConversionError, match=r"input\[0\]\.name"):

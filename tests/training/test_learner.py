@@ -11,7 +11,8 @@ import torch
 from pipeline.messages import RolloutSummary, TreeGroup, ids
 from pipeline.training import batches
 from pipeline.training import tree_attention as ta
-from pipeline.training.learner import Learner, LearnerConfig
+from pipeline.training.learner import Learner
+from pipeline.training.learner_config import LearnerConfig
 from tests.helpers.learner_trees import Item, group, pack_paths, random_paths, tiny_qwen3
 
 

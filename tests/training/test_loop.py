@@ -1,9 +1,11 @@
 """The learner's bookkeeping (pipeline.training.loop), without a model: cold start, steps, staleness, checkpoints."""
 
+import random
+
 import pytest
 
 from pipeline.messages import GroupDropped, PackedTree, TreeGroup
-from pipeline.training.loop import ColdStartReady, LearnerLoop, StepReady
+from pipeline.training.loop import ColdStartReady, LearnerLoop, StepReady, sft_plan
 
 EMPTY = PackedTree(tokens=b"", positions=b"", subtree_end=b"", pred=b"", trainable=b"", logprobs=b"", rollout=b"",
                    segment=b"")
@@ -81,3 +83,31 @@ def test_resumed_loop_continues_at_the_first_unfinished_step():
     assert out[1].step == 3
     done = LearnerLoop.resumed(steps=2, groups_per_step=2, checkpoint_every=1, steps_done=2)
     assert done.finished
+
+
+def test_sft_plan_visits_every_pack_once_per_epoch_in_batches():
+    packs = [group(f"p{i}", purpose="sft", packs=3) for i in range(3)]
+    plan = sft_plan(packs, epochs=2, batch_groups=2, seed=0)
+    assert [(u.epoch, len(u.packs)) for u in plan] == [(0, 2), (0, 1), (1, 2), (1, 1)]
+    for epoch in (0, 1):
+        seen = [g.group_id for u in plan if u.epoch == epoch for g in u.packs]
+        assert sorted(seen) == ["p0", "p1", "p2"]
+    ids = [[g.group_id for g in u.packs] for u in plan]
+    assert ids == [[g.group_id for g in u.packs] for u in sft_plan(packs, epochs=2, batch_groups=2, seed=0)]
+    orders = {tuple(g.group_id for u in sft_plan(packs, epochs=1, batch_groups=3, seed=s) for g in u.packs)
+              for s in range(20)}
+    assert len(orders) > 1  # shuffled, by the seed
+    assert sft_plan([], epochs=3, batch_groups=2, seed=0) == []
+
+
+def test_sft_plan_shuffles_each_epoch_with_one_generator():
+    """The order a replay of an older run reproduces: random.Random(seed), one shuffle of the packs per epoch."""
+    packs = [group(f"p{i}", purpose="sft", packs=5) for i in range(5)]
+    rng = random.Random(7)
+    want = []
+    for epoch in range(3):
+        order = [g.group_id for g in packs]
+        rng.shuffle(order)
+        want += [(epoch, order[i:i + 2]) for i in range(0, 5, 2)]
+    got = [(u.epoch, [g.group_id for g in u.packs]) for u in sft_plan(packs, epochs=3, batch_groups=2, seed=7)]
+    assert got == want
