@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.serving.engine import Sampling
+from pipeline.serving.engine import EngineSampling
 from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse, ScriptRoute
-from pipeline.tokens.conversation import from_chat
+from pipeline.tokens.from_wire import from_chat
 from tests.helpers.proxyutil import renderer
 
 pytestmark = pytest.mark.anyio
@@ -32,7 +32,7 @@ async def test_a_route_gives_the_conversation_it_opens_a_list_of_its_own():
     tok = renderer().tokenizer
     got = []
     for x in order:
-        res = await eng.generate(x, Sampling(), rid="r|c")
+        res = await eng.generate(x, EngineSampling(), rid="r|c")
         got.append(tok.decode(res.output_ids).split("<|im_end|>")[0].strip())
     assert got == ["main 0", "sub 0", "main 1", "main 2", "sub 1", "end", "end"]
 
@@ -40,6 +40,6 @@ async def test_a_route_gives_the_conversation_it_opens_a_list_of_its_own():
 async def test_without_routes_every_call_of_a_rollout_takes_the_next_response():
     eng = ScriptedEngine(renderer(), Script(default=[ScriptResponse(text="a"), ScriptResponse(text="b")]))
     sub_first = prompt(("user", "Write alpha into notes.txt."))
-    outs = [renderer().tokenizer.decode((await eng.generate(sub_first, Sampling(), rid=f"{r}|c")).output_ids)
+    outs = [renderer().tokenizer.decode((await eng.generate(sub_first, EngineSampling(), rid=f"{r}|c")).output_ids)
             for r in ("x", "x", "y")]
     assert [o.split("<|im_end|>")[0].strip() for o in outs] == ["a", "b", "a"]
