@@ -56,6 +56,7 @@ from pipeline.serving.harness_request import (
 from pipeline.serving.labels import detect_label
 from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse
 from pipeline.serving.streaming import finish_stream, watch_engine
+from pipeline.serving.trace import call_trace
 from pipeline.serving.wire import PROTOCOLS, ErrorKind, Protocol, Reply, StreamState
 from pipeline.tokens.conversation import Conversation
 from pipeline.tokens.render import Renderer
@@ -387,6 +388,7 @@ class Proxy:
             spliced_turns=len(rendered.spliced_turns), rendered_turns=len(rendered.rendered_turns), model=call.model,
             timings=CallTimings(received=call.received, engine_start=engine_start, engine_end=engine_end,
                                 sent=time.time(), render_s=render_s),
+            trace=call_trace(call.conv, parsed),
         ))
         st.calls += 1
         if self._stdlog.isEnabledFor(logging.DEBUG):
