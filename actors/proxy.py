@@ -16,7 +16,8 @@ import anyio
 import msgspec
 
 from pipeline.core.config import NonNegFloat, NonNegInt, Port, PosFloat, PosInt, Section
-from pipeline.core.runtime import Actor
+from pipeline.core.runfiles import remove_prefixed, run_tag, safe_name
+from pipeline.core.runtime import Actor, on_emergency
 from pipeline.messages import Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
 from pipeline.serving.factory import EngineSettings, open_engine, open_renderer
 from pipeline.serving.proxy import Proxy, ProxySettings
@@ -62,7 +63,11 @@ class ProxyActor(Actor[ProxyActorSettings]):
         c = self.config
         sock = c.unix_socket
         if sock == "auto":
-            self._socket_dir = tempfile.mkdtemp(prefix="bridle-proxy-")
+            # In the temp dir, not the run folder: a Unix socket's path must stay under 108 bytes. Named by run
+            # and actor, so that a restart of this run removes the folder a crash left.
+            prefix = f"bridle.sock-{run_tag(self.run_dir)}_{safe_name(self.name, 16)}_"
+            remove_prefixed(tempfile.gettempdir(), prefix)
+            self._socket_dir = tempfile.mkdtemp(prefix=prefix)
             sock = os.path.join(self._socket_dir, "proxy.sock")
         return ProxySettings(host=c.host, port=c.port, unix_socket=sock, keepalive_s=c.keepalive_s,
                              stream_head_s=c.stream_head_s,
@@ -76,6 +81,8 @@ class ProxyActor(Actor[ProxyActorSettings]):
             self.proxy = Proxy(engine, renderer, self._emit, self.settings())
             self.proxy.policy_version = self.config.engine.weight_version
             await self.proxy.start()
+            socket_dir = self._socket_dir  # a hard exit (second Ctrl-C) removes it too
+            unregister = on_emergency(lambda: shutil.rmtree(socket_dir, ignore_errors=True) if socket_dir else None)
             self.ready.set()
             try:
                 async with anyio.create_task_group() as tg:
@@ -88,6 +95,7 @@ class ProxyActor(Actor[ProxyActorSettings]):
                     await self.proxy.stop()
                 if self._socket_dir:
                     shutil.rmtree(self._socket_dir, ignore_errors=True)
+                unregister()
 
     async def _serve(self, engine: Any) -> None:
         assert self.proxy is not None

@@ -13,6 +13,7 @@ import anyio
 import msgspec
 
 from pipeline.core.config import PosInt, Section
+from pipeline.core.runfiles import run_tag
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, RolloutFinished, RolloutRequest, ServiceReady
 from pipeline.rollout.sandbox import (
@@ -43,8 +44,8 @@ class SandboxPool(Actor[SandboxConfig]):
         return DockerBackend(self.config.docker, run_id=run_id)
 
     async def run(self) -> None:
-        run_id = self.run_dir.name if self.run_dir is not None else "bridle"
-        backend = self._backend(run_id)
+        # The run's tag: a restart of this run (--resume) finds and removes what a crash of it left
+        backend = self._backend(run_tag(self.run_dir))
         self.limiter = anyio.CapacityLimiter(self.config.concurrency)
         self.running = 0
         service: ServiceReady | None = None

@@ -225,6 +225,9 @@ class Harness:
     image: str = ""
     container_binary: str = ""  # where the image keeps the executable ("" = the launcher's default)
     needs_solution: bool = False  # it is given the task's solution/ (only the oracle pseudo-harness)
+    # Container folders it must write besides the workspace, its HOME and /tmp: the Docker sandbox's root
+    # filesystem is read-only, and these become size-capped tmpfs mounts owned by the harness's uid.
+    writable: tuple[str, ...] = ()
 
     @property
     def usage(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -194,10 +195,15 @@ async def launch_embedded(
     python: str = sys.executable,
 ) -> AsyncIterator[HttpEngine]:
     """Run ``python -m pipeline.serving.embedded`` on a free port and yield a ready client."""
-    # next to the log (the run folder) when there is one: a SIGKILLed run then leaves nothing behind in /tmp
-    port_dir = tempfile.mkdtemp(prefix="bridle-engine-port-",
-                                dir=log_path.parent if log_path and log_path.parent.is_dir() else None)
-    port_file = Path(port_dir) / "port"
+    # Next to the log (the run folder) when there is one, named after it: a SIGKILLed run leaves nothing in /tmp,
+    # and the next start of the run replaces what it left (an old port file would be read as the new engine's).
+    if log_path is not None and log_path.parent.is_dir():
+        port_dir = log_path.with_name(f"{log_path.name}.port")
+        shutil.rmtree(port_dir, ignore_errors=True)
+        port_dir.mkdir()
+    else:
+        port_dir = Path(tempfile.mkdtemp(prefix="bridle-engine-port-"))
+    port_file = port_dir / "port"
     cmd = [
         python,
         "-m",

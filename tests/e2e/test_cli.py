@@ -255,12 +255,21 @@ def test_ctrl_c_while_the_model_is_being_built_stops_at_once(tmp_path):
 def test_a_second_signal_exits_at_once_without_a_traceback_or_leftovers(tmp_path):
     proc = _quickstart(tmp_path, "experiment.build_model.tasks=20", "scheduler.sft_groups=0", "run.steps=50",
                        "scheduler.tasks.count=10")
+    from pipeline.core.eventlog import EventLogReader
+    from pipeline.core.runfiles import run_tag
+    from pipeline.rollout.sandbox.local import MARKER_RUN, marked_pids
+    from tests.helpers.leftovers import leftovers_of
+
     metrics = tmp_path / "run" / "metrics.jsonl"
+    marker = f"{MARKER_RUN}={run_tag(tmp_path / 'run')}".encode()
     try:
         wait_for(lambda: metrics.exists() and '"source": "sandbox"' in metrics.read_text(), timeout=300,
                  what="rollouts")
+        wait_for(lambda: marked_pids(marker), timeout=60, what="a harness running")
+        # The second signal follows closely: given time, the graceful stop the first one began would clean up
+        # the harnesses itself, and the emergency stop would go untested.
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.05)
+        time.sleep(0.005)
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=60)
     finally:
@@ -268,9 +277,11 @@ def test_a_second_signal_exits_at_once_without_a_traceback_or_leftovers(tmp_path
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "second signal" in err, err[-3000:]
-    from pipeline.core.eventlog import EventLogReader
-
     assert list(EventLogReader(tmp_path / "run" / "events.msgpack"))  # readable: a cut tail at most
+    # Checked at once: the emergency stops ran before the exit. Harnesses run in sessions of their own, in
+    # workspaces in the temp dir; they are found by their environment marker (BRIDLE_SANDBOX_RUN=<run tag>).
+    left = leftovers_of(tmp_path / "run")
+    left.pop("engine_ports", None)  # in the run folder; the next start of the run replaces it
+    assert left == {}
     time.sleep(1.0)
     assert _processes_mentioning(str(tmp_path / "model")) == []  # the engine is gone
-    assert _processes_mentioning(str(tmp_path)) == []  # and every harness

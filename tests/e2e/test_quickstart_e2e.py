@@ -79,13 +79,19 @@ def test_kill_9_then_resume_keeps_the_policy_and_neither_repeats_nor_skips_a_ste
     """kill -9 after step 2 of 5 (with a cold start, so the KL reference is the SFT policy, not the base), resume:
     every step trained once, in order; KL and entropy continue where they were (before references were saved
     with checkpoints, the resumed KL term pulled towards the random base: KL 0.006 -> 5.85); re-issued groups
-    carry new ids; the watcher does not log the run directory's churn."""
+    carry new ids; the watcher does not log the run directory's churn; nothing of the run is left on the host
+    (workspaces, socket folders, harness processes, containers)."""
     import os
     import signal
+    import tempfile
     import time
 
     from pipeline.core.eventlog import EventLogReader
+    from pipeline.core.runfiles import run_tag
     from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest
+    from pipeline.rollout.sandbox.local import MARKER_RUN
+    from pipeline.rollout.sandbox.util import run_prefix
+    from tests.helpers.leftovers import leftovers_of
 
     model = tmp_path / "model"
     run_dir = tmp_path / "run"
@@ -107,10 +113,25 @@ def test_kill_9_then_resume_keeps_the_policy_and_neither_repeats_nor_skips_a_ste
             assert time.monotonic() - t0 < 600, "no second checkpoint within 10 minutes"
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # run.py and its harness children; the engine notices its parent died
+        os.killpg(proc.pid, signal.SIGKILL)  # run.py; the engine notices its parent died; harnesses live on
         proc.wait()
-    r = run("--resume", str(run_dir))  # watching its config.toml, which lives in the busy run directory
+    # What a crash leaves, for certain (the kill may have caught no rollout in flight): a harness that outlived
+    # bridle, a workspace and a proxy-socket folder of this run. The resume must remove them, and its own.
+    tag = run_tag(run_dir)
+    survivor = subprocess.Popen(["sleep", "600"], env={"PATH": os.defpath, MARKER_RUN: tag}, start_new_session=True)
+    planted = [Path(tempfile.mkdtemp(prefix=f"{run_prefix(tag)}g99999-r0-")),
+               Path(tempfile.mkdtemp(prefix=f"bridle.sock-{tag}_proxy_"))]
+    assert {"workspaces", "proxy_sockets", "processes"} <= set(leftovers_of(run_dir))
+    try:
+        r = run("--resume", str(run_dir))  # watching its config.toml, which lives in the busy run directory
+        killed = survivor.poll()
+    finally:
+        survivor.kill()
+        survivor.wait()
     assert r.returncode == 0, r.stderr[-4000:]
+    assert killed == -signal.SIGKILL  # by the resumed run's sandbox backend
+    assert not any(p.exists() for p in planted)
+    assert leftovers_of(run_dir) == {}
     assert "changes detected" not in r.stderr + r.stdout
     events = list(EventLogReader(run_dir / "events.msgpack"))
     steps = [(e.msg.step, e.msg.batch_hash) for e in events if isinstance(e.msg, PolicyUpdated)]

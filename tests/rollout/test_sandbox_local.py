@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import uuid
 from functools import partial
 from pathlib import Path
 
@@ -12,10 +13,12 @@ import anyio
 import msgspec
 import pytest
 
+from pipeline.core.runtime import _EMERGENCY, emergency_stop
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.harnesses import HARNESSES, find_binary
 from pipeline.rollout.sandbox import LocalBackend, LocalSettings
 from pipeline.rollout.sandbox.local import MARKER_RUN, marked_pids
+from pipeline.rollout.sandbox.util import rollout_dir
 from pipeline.rollout.taskgen import family_names, generate
 from pipeline.rollout.tasks import Task, materialize
 from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
@@ -153,15 +156,43 @@ async def test_cancellation_kills_and_cleans(tmp_path):
     assert list((tmp_path / "work").iterdir()) == []
 
 
-async def test_start_reaps_a_crashed_runs_processes(tmp_path):
-    # A process left behind by an earlier backend with the same run id (e.g. the pool was SIGKILLed).
-    proc = await anyio.open_process(["sleep", "300"], env={"PATH": "/usr/bin:/bin", MARKER_RUN: "run-x"},
+async def test_start_reaps_a_crashed_runs_processes_and_workspaces(tmp_path):
+    # What an earlier backend with the same run id left (e.g. the pool was SIGKILLed): a harness process and
+    # rollout directories; another run's directory stays.
+    run = f"crashed-{uuid.uuid4().hex[:8]}"
+    proc = await anyio.open_process(["sleep", "300"], env={"PATH": "/usr/bin:/bin", MARKER_RUN: run},
                                     start_new_session=True)
-    b = LocalBackend(run_id="run-x")
+    work = tmp_path / "work"
+    mine = [rollout_dir(str(work), run, rid) for rid in ("g00001-r0", "g00002-a1-r3")]
+    (mine[0] / "app" / "deep").mkdir(parents=True)
+    other = rollout_dir(str(work), f"{run}-2", "g00001-r0")
+    b = LocalBackend(LocalSettings(workdir=str(work)), run_id=run)
     assert leftovers(b) == [proc.pid]
     await b.start()
     await proc.wait()
     assert leftovers(b) == []
+    assert list(work.iterdir()) == [other]
+    await b.aclose()
+
+
+async def test_emergency_stop_kills_every_harness_and_removes_the_workspaces(tmp_path):
+    """What a second Ctrl-C runs (pipeline.core.runtime.emergency_stop): synchronous, with the event loop
+    abandoned, so the harnesses (in sessions of their own) do not outlive bridle."""
+    task = variant(tmp_path, "forever", solve="setsid sleep 300 &\nsleep 300")
+    b = LocalBackend(LocalSettings(workdir=str(tmp_path / "work")))
+    await b.start()
+    assert b.emergency_stop in _EMERGENCY.values()
+    async with anyio.create_task_group() as tg:
+        for i in range(2):
+            tg.start_soon(partial(b.run, request("oracle", task, rid=f"r{i}"), task, proxy_url="http://127.0.0.1:9"))
+        await until(lambda: len(leftovers(b)) >= 4)  # two harnesses, each with a child in its own session
+        assert len(list((tmp_path / "work").iterdir())) == 2
+        emergency_stop()
+        assert leftovers(b) == []
+        assert list((tmp_path / "work").iterdir()) == []
+        tg.cancel_scope.cancel()
+    await b.aclose()
+    assert b.emergency_stop not in _EMERGENCY.values()
 
 
 async def test_forwarder_relays_loopback_to_the_proxy_socket(tmp_path):

@@ -43,7 +43,7 @@ def run_all(tmp: Path) -> dict[str, Outcome]:
                 proxy.register(req)
                 async with limiter:
                     fin = await backend.run(req, task, proxy_url=proxy.base_url, proxy_socket=proxy.unix_socket)
-                (root,) = (tmp / "work").glob(f"bridle-{rid}-*")
+                (root,) = (tmp / "work").glob(f"bridle-*_{rid}-*")
                 outcomes[config.name] = Outcome(
                     labels=[label for label, _ in steps], finished=fin,
                     calls=sorted((r for r in records if isinstance(r, ModelCall) and r.rollout_id == rid),

@@ -391,3 +391,21 @@ def test_update_weights_without_pause_fails_no_request(engine):
     for i, r in results.items():
         assert [v for _, v in r.version_spans] in ([start], [start, "3"], ["3"])
         assert torch.allclose(torch.tensor(r.logprobs), reference(engine, prompts[i], r, 1.0), atol=1e-4)
+
+
+def test_a_restart_replaces_the_port_file_a_crashed_engine_left(tmp_path):
+    """In a run folder the port file sits next to the engine's log under a fixed name, so a resumed run's engine
+    finds the one a kill -9 left: it must be replaced, never read as the new engine's port."""
+    model = create_small_model(tmp_path / "m", seed=0, vocab=VocabTable.from_sequences([WORDS]), hidden_size=32,
+                               num_layers=1, num_heads=2, num_kv_heads=1)
+    log = tmp_path / "engine-embedded.log"
+    stale = tmp_path / "engine-embedded.log.port"
+    stale.mkdir()
+    (stale / "port").write_text("9")
+
+    async def main() -> None:
+        async with launch_embedded(model, threads=1, context_length=CONTEXT, timeout_s=120, log_path=log) as c:
+            assert not c.base_url.endswith(":9") and await c.health()
+        assert not stale.exists()  # and gone after a clean stop
+
+    anyio.run(main)

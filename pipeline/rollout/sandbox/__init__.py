@@ -11,7 +11,8 @@ backends implement only its hooks:
 - :mod:`~pipeline.rollout.sandbox.local`: the harness as a child process (rlimits, killed as a process group and
   by an environment marker). Convenient and the embedded default, but **no security boundary**.
 - :mod:`~pipeline.rollout.sandbox.docker`: one container per rollout from the harness's image (CPU, memory and
-  pids limits, network ``none``, the proxy through its mounted Unix socket); the verifier in a fresh container.
+  pids limits, network ``none``, the proxy through its mounted Unix socket, a non-root uid on a read-only root:
+  :mod:`~pipeline.rollout.sandbox.hardening`); the verifier in a fresh container.
 """
 
 from pipeline.rollout.sandbox.base import CLEANUP_TIMEOUT_S, SandboxBackend

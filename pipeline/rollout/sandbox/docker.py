@@ -1,24 +1,27 @@
 """The Docker sandbox backend: one container per rollout from the harness's image.
 
 Images come from ``pipeline/rollout/images.py`` (the tag is the harness adapter's, or ``DockerSettings.images``).
-CPU, memory and pids limits, never privileged, ``no-new-privileges``, network ``none`` by default. The proxy's Unix
-socket is bind-mounted at ``/run/bridle/proxy.sock`` and the image's forwarder relays ``127.0.0.1:8080`` to it, so
-the harness reaches the policy and nothing else. The verifier runs afterwards in a fresh container over the same
-workspace with ``tests/`` mounted read-only (0700: the built-in checker's uid-65534 child cannot read them); the
-harness never sees the tests, and the host reads only the reward file, through no link. Containers carry the labels
-``bridle.run`` / ``bridle.rollout`` / ``bridle.owner``; :meth:`DockerBackend.start` removes leftovers of this run
-and of runs whose process has died, so a crash never leaks containers.
+CPU, memory and pids limits, never privileged, network ``none`` by default; the harness runs as a non-root uid
+without capabilities on a read-only root filesystem, its workspace size-capped (``hardening.py`` says exactly what
+holds). The proxy's Unix socket is bind-mounted at ``/run/bridle/proxy.sock`` and the image's forwarder relays
+``127.0.0.1:8080`` to it, so the harness reaches the policy and nothing else. The verifier runs afterwards in a
+fresh container over the same workspace with ``tests/`` mounted read-only (0700: the built-in checker's uid-65534
+child cannot read them); the harness never sees the tests, and the host reads only the reward file, through no
+link. Containers carry the labels ``bridle.run`` / ``bridle.rollout`` / ``bridle.owner``; :meth:`DockerBackend.start`
+removes leftovers of this run (containers, rollout directories) and of runs whose process has died, so a crash
+never leaks containers; a hard exit removes the live ones (:meth:`DockerBackend.emergency_stop`).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
 import socket
-import tarfile
+import tempfile
 import time
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,6 +31,7 @@ import anyio
 import msgspec
 
 from pipeline.core.logs import get_logger
+from pipeline.core.runtime import on_emergency
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.harnesses import BASE_IMAGE, LaunchContext
 from pipeline.rollout.sandbox.base import (
@@ -39,7 +43,27 @@ from pipeline.rollout.sandbox.base import (
     Verdict,
     VerifierError,
 )
-from pipeline.rollout.sandbox.util import parse_size, rmtree, rollout_dir, tail
+from pipeline.rollout.sandbox.hardening import (
+    CONTAINER_HOME,
+    SEED_MOUNT,
+    give_to,
+    harness_host_config,
+    over_limit,
+    parse_user,
+    remove_containers_now,
+    seeded,
+    write_seed,
+)
+from pipeline.rollout.sandbox.util import (
+    parse_size,
+    pid_alive,
+    remove_run_dirs,
+    rmtree,
+    rollout_dir,
+    run_prefix,
+    tail,
+    tar_files,
+)
 from pipeline.rollout.tasks import Task, seed_workspace
 from pipeline.rollout.untrusted import RewardError, fresh_dir, read_reward
 from pipeline.rollout.verify import summarize
@@ -63,9 +87,18 @@ class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     verifier_image: str = ""  # default: the base image
     forward_port: int = 8080  # the forwarder's port on the container's loopback
     workdir: str = ""  # host folder for per-rollout directories (bind-mounted; default: the system temp dir)
-    # Keep each rollout's directory (app/, tests/, logs/) and copy the harness's transcript out of the container
-    # into its home/ before the container is removed.
+    # Keep each rollout's directory: app/, home/ (the harness's HOME, then bind-mounted instead of a tmpfs, with
+    # its transcript), tests/, logs/.
     keep_workspaces: bool = False
+    # The harness's numeric "uid:gid", never root. Default: 65534:65534 (nobody) when bridle runs as root, else
+    # bridle's own uid and gid (a non-root bridle cannot give the workspace to another uid).
+    user: str = ""
+    storage: str = "10g"  # the workspace's size cap when the task's [environment] storage gives none
+    file_size: str = "2g"  # RLIMIT_FSIZE, the largest file the harness may write (at most the storage cap)
+    open_files: Annotated[int, msgspec.Meta(gt=0)] = 4096  # RLIMIT_NOFILE
+    tmp_size: str = "512m"  # the /tmp tmpfs (and each Harness.writable folder); RAM, counted within `memory`
+    home_size: str = "512m"  # the HOME tmpfs; RAM, counted within `memory`
+    storage_check_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # how often the workspace is measured meanwhile
     max_turns: int = 30
     model: str = "policy"
     whitebox_args: list[str] = msgspec.field(default_factory=list)  # extra white-box harness flags
@@ -73,44 +106,14 @@ class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0  # any one Docker API call
 
 
-def _tar(files: dict[str, tuple[bytes, int]]) -> bytes:
-    """An in-memory tar of absolute container paths -> (content, mode), for put_archive at "/"."""
-    buf = io.BytesIO()
-    now = time.time()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        dirs: set[str] = set()
-        for path in files:
-            parts = Path(path.lstrip("/")).parts[:-1]
-            for i in range(1, len(parts) + 1):
-                dirs.add("/".join(parts[:i]))
-        for d in sorted(dirs):
-            info = tarfile.TarInfo(d)
-            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, now
-            tar.addfile(info)
-        for path, (data, mode) in files.items():
-            info = tarfile.TarInfo(path.lstrip("/"))
-            info.size, info.mode, info.mtime = len(data), mode, now
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass(kw_only=True)
 class DockerSandbox(Sandbox):
     config: dict[str, Any] = field(default_factory=dict)  # the harness container's create request
-    files: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # path -> (content, mode), copied in first
     containers: list[Any] = field(default_factory=list)  # every container made for this rollout; cleanup removes
     container: Any = None  # the harness's, once created
     started_at: float = 0.0  # when its creation was asked for (the engine's events are searched from here)
+    limits: list[tuple[Path, int, str]] = field(default_factory=list)  # (host folder, size cap, what it is)
+    over_limit: str = ""  # why the disk watch stopped the harness
 
 
 class DockerBackend(SandboxBackend[DockerSandbox]):
@@ -125,6 +128,14 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         self.settings = settings or DockerSettings()
         self.memory_limit = self.settings.memory
         self.memory_bytes = parse_size(self.settings.memory, "memory")
+        s = self.settings
+        self.user = parse_user(s.user)
+        self.storage_bytes = parse_size(s.storage, "[sandbox.docker] storage")
+        self.file_bytes = parse_size(s.file_size, "[sandbox.docker] file_size")
+        self.tmp_bytes = parse_size(s.tmp_size, "[sandbox.docker] tmp_size")
+        self.home_bytes = parse_size(s.home_size, "[sandbox.docker] home_size")
+        self._emergency = self.emergency_stop  # one bound method: on_emergency keys on its identity
+        self._unregister: Callable[[], None] = lambda: None
         self.docker: Any = None
         self.host = socket.gethostname()
         self._live: set[str] = set()
@@ -148,22 +159,32 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
                     "harness_images/ci_setup.sh) or use the local sandbox backend"
                 ) from None
         await self.reap()
+        self._unregister = on_emergency(self._emergency)
 
     async def reap(self) -> int:
-        """Remove containers of this run, and of runs on this host whose process is gone."""
+        """Remove containers of this run, and of runs on this host whose process is gone, and this run's rollout
+        directories (unless they are kept): what a crash of this run left."""
         with anyio.fail_after(self.settings.api_timeout_s):
             found = await self.docker.containers.list(all="1", filters=json.dumps({"label": [LABEL]}))
         n = 0
         for c in found:
             labels = c._container.get("Labels") or {}
             mine = labels.get("bridle.run") == self.run_id and c.id not in self._live
-            orphan = labels.get("bridle.host") == self.host and not _pid_alive(int(labels.get("bridle.owner", 0)))
+            orphan = labels.get("bridle.host") == self.host and not pid_alive(int(labels.get("bridle.owner", 0)))
             if mine or orphan:
                 await self._remove(c.id)
                 n += 1
-        if n:
-            log.warning("reaped_containers", run=self.run_id, count=n)
+        dirs = 0 if self.settings.keep_workspaces else await self._remove_run_dirs()
+        if n or dirs:
+            log.warning("reaped_leftovers", run=self.run_id, containers=n, workspaces=dirs)
         return n
+
+    async def _remove_run_dirs(self) -> int:
+        if os.geteuid() != 0:  # the verifier's root may have written there
+            where = Path(self.settings.workdir or tempfile.gettempdir())
+            for d in await anyio.to_thread.run_sync(lambda: list(where.glob(f"{run_prefix(self.run_id)}*"))):
+                await self._chown_back(d, self._labels_for("", "cleanup"))
+        return await anyio.to_thread.run_sync(remove_run_dirs, self.settings.workdir, self.run_id)
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -173,6 +194,14 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
                 with anyio.move_on_after(CLEANUP_TIMEOUT_S):
                     await self.docker.close()
                 self.docker = None
+        self._unregister()
+
+    def emergency_stop(self) -> None:
+        """Synchronously, for a process that exits without cleanup (a second Ctrl-C): remove this run's live
+        containers with the docker CLI (the event loop will not run again), then the rollout directories."""
+        remove_containers_now(sorted(self._live), self.settings.docker_url)
+        if not self.settings.keep_workspaces:
+            remove_run_dirs(self.settings.workdir, self.run_id)
 
     async def _remove(self, cid: str) -> None:
         import aiodocker
@@ -187,7 +216,10 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
 
     # ------------------------------------------------------------------------------------------ helpers
     def _labels(self, req: RolloutRequest, role: str) -> dict[str, str]:
-        return {LABEL: "1", "bridle.run": self.run_id, "bridle.rollout": req.rollout_id, "bridle.role": role,
+        return self._labels_for(req.rollout_id, role)
+
+    def _labels_for(self, rollout_id: str, role: str) -> dict[str, str]:
+        return {LABEL: "1", "bridle.run": self.run_id, "bridle.rollout": rollout_id, "bridle.role": role,
                 "bridle.host": self.host, "bridle.owner": str(os.getpid())}
 
     def _host_config(self, binds: list[str], network: str) -> dict[str, Any]:
@@ -216,7 +248,7 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
             owned.append(c)
         with anyio.fail_after(self.settings.api_timeout_s):
             if files:
-                await c.put_archive("/", _tar(files))
+                await c.put_archive("/", tar_files(files))
             await c.start()
         return c
 
@@ -229,13 +261,8 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
             with anyio.move_on_after(limit_s) as scope:
                 await c.wait()
             if scope.cancelled_caught:
-                self._killed.add(c.id)
                 with anyio.fail_after(self.settings.api_timeout_s):
-                    try:
-                        await c.kill()
-                    except aiodocker.DockerError as e:
-                        if e.status != 409:  # 409: it stopped on its own meanwhile
-                            raise
+                    await self._kill(c)
                     await c.wait()
             with anyio.fail_after(self.settings.api_timeout_s):
                 info = await c.show()
@@ -244,6 +271,17 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
             raise SandboxError(f"the container disappeared or the engine failed: {e}") from None
         except TimeoutError:
             raise SandboxError(f"the Docker engine did not answer within {self.settings.api_timeout_s:g}s") from None
+
+    async def _kill(self, c: Any) -> None:
+        """SIGKILL the container (the kill is ours, not from outside)."""
+        import aiodocker
+
+        self._killed.add(c.id)
+        try:
+            await c.kill()
+        except aiodocker.DockerError as e:
+            if e.status != 409:  # 409: it stopped on its own meanwhile
+                raise
 
     async def _logs(self, c: Any) -> str:
         import aiodocker
@@ -285,35 +323,47 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
             raise SandboxError(f"network {s.network!r} reaches the proxy through its Unix socket, but "
                                f"proxy_socket={box.proxy_socket!r} does not exist; set ProxySettings.unix_socket "
                                "(or DockerSettings.network='host')")
-        box.root = root = rollout_dir(s.workdir, box.req.rollout_id)
+        storage = parse_size(task.config.environment.storage, f"{task.root / 'task.toml'}: [environment] storage")
+        box.root = root = rollout_dir(s.workdir, self.run_id, box.req.rollout_id)
         ws = root / "app"
         seed_workspace(task, ws)
-        ws.chmod(0o777)  # the harness may run as any user inside the container
+        binds = [f"{ws}:/app"]
+        box.limits = [(ws, storage or self.storage_bytes, "the workspace (/app)")]
         if h.needs_solution:
-            sol = task.root / "solution"
-            for p in sol.rglob("*"):
-                if p.is_file():
-                    box.files[f"/solution/{p.relative_to(sol).as_posix()}"] = (p.read_bytes(), 0o755)
+            shutil.copytree(task.root / "solution", root / "solution", symlinks=True)
+            binds.append(f"{root / 'solution'}:/solution:ro")
+        if s.keep_workspaces:  # HOME on the host, with the transcript in it, instead of a tmpfs
+            (root / "home").mkdir(mode=0o700)
+            binds.append(f"{root / 'home'}:{CONTAINER_HOME}")
+            box.limits.append((root / "home", self.home_bytes, f"the harness's HOME ({CONTAINER_HOME})"))
         base_url = box.proxy_url.rstrip("/") if s.network == "host" else f"http://127.0.0.1:{s.forward_port}"
-        ctx = LaunchContext(workspace="/app", home="/root", base_url=base_url, token=box.req.token,
+        ctx = LaunchContext(workspace="/app", home=CONTAINER_HOME, base_url=base_url, token=box.req.token,
                             instruction=task.instruction, model=s.model, max_turns=s.max_turns,
                             binary=h.container_binary, python="python3",
                             solution_dir="/solution" if h.needs_solution else "", whitebox_args=list(s.whitebox_args))
         box.launch = launch = h.launch(ctx, box.variant)
-        for path, content in launch.files.items():
-            box.files[path] = (content.encode(), 0o644)
-        cmd, binds = launch.argv, [f"{ws}:/app"]
+        cmd = launch.argv
         if s.network != "host":
             cmd = ["python3", "/opt/bridle/forwarder.py", "--listen", f"127.0.0.1:{s.forward_port}",
                    "--socket", CONTAINER_SOCKET, "--", *cmd]
             binds.append(f"{Path(box.proxy_socket).resolve()}:{CONTAINER_SOCKET}")
+        if write_seed(launch.files, root / "seed", ("/app", "/tmp", CONTAINER_HOME, *h.writable)):
+            cmd = seeded(cmd)
+            binds.append(f"{root / 'seed'}:{SEED_MOUNT}:ro")
+        for part in ("app", "home", "seed", "solution"):
+            if (root / part).exists():
+                give_to(root / part, *self.user)
         box.config = {
             "Image": s.images.get(h.name) or h.image,
             "Cmd": cmd,
+            "User": "{}:{}".format(*self.user),
             "Env": [f"{k}={v}" for k, v in launch.env.items()],
             "WorkingDir": "/app",
             "Labels": self._labels(box.req, "harness"),
-            "HostConfig": self._host_config(binds, s.network),
+            "HostConfig": {**self._host_config(binds, s.network), **harness_host_config(
+                user=self.user, home="" if s.keep_workspaces else CONTAINER_HOME, writable=h.writable,
+                tmp_bytes=self.tmp_bytes, home_bytes=self.home_bytes, open_files=s.open_files,
+                file_bytes=min(self.file_bytes, box.limits[0][1]))},
         }
 
     async def launch(self, box: DockerSandbox) -> None:
@@ -321,7 +371,7 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
 
         box.started_at = time.time()
         try:
-            box.container = await self._create_start(box.config, box.files, box.containers)
+            box.container = await self._create_start(box.config, {}, box.containers)
         except aiodocker.DockerError as e:
             hint = "; build the images with `python run.py --build-images`" if e.status == 404 else ""
             raise SandboxError(f"could not start the container ({box.config['Image']}): {e}{hint}") from None
@@ -329,8 +379,25 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
             raise SandboxError(f"Docker did not start the container within {self.settings.api_timeout_s:g}s") from None
 
     async def wait(self, box: DockerSandbox, timeout_s: float) -> HarnessExit:
+        """Also watches the workspace's size (:meth:`_watch_disk`): over the cap, the harness is stopped, or found
+        over it once it has ended, and this raises SandboxError."""
         c = box.container
-        timed_out, state = await self._wait(c, timeout_s)
+        ended: tuple[bool, dict[str, Any]] | SandboxError
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_disk, box)
+            try:
+                ended = await self._wait(c, timeout_s)
+            except SandboxError as e:  # raised out of the task group, it would come wrapped in an ExceptionGroup
+                ended = e
+            finally:
+                tg.cancel_scope.cancel()
+        if isinstance(ended, SandboxError):
+            raise ended
+        timed_out, state = ended
+        over = box.over_limit or await anyio.to_thread.run_sync(over_limit, box.limits)
+        if over:
+            raise SandboxError(f"{over}; the rollout fails (a task's size cap is [environment] storage in its "
+                               "task.toml, else [sandbox.docker] storage)")
         exit_code = state.get("ExitCode")
         outside = not timed_out and exit_code == 137 and await self._killed_from_outside(c, box.started_at)
         return HarnessExit(timed_out=timed_out, exit_code=exit_code, out_of_memory=bool(state.get("OOMKilled")),
@@ -339,10 +406,22 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
     async def logs(self, box: DockerSandbox) -> str:
         return await self._logs(box.container) if box.container is not None else ""
 
+    async def _watch_disk(self, box: DockerSandbox) -> None:
+        """Measure the bind-mounted folders every ``storage_check_s`` while the harness runs; kill it above a cap.
+        (RLIMIT_FSIZE bounds one file, not how many there are; the host folder has no quota of its own.)"""
+        import aiodocker
+
+        while True:
+            await anyio.sleep(self.settings.storage_check_s)
+            over = await anyio.to_thread.run_sync(over_limit, box.limits, abandon_on_cancel=True)
+            if over:
+                box.over_limit = f"{over} while the harness ran, so it was stopped"
+                # When the kill fails, the engine failed or the container is gone: _wait reports that.
+                with anyio.move_on_after(self.settings.api_timeout_s), suppress(aiodocker.DockerError):
+                    await self._kill(box.container)
+                return
+
     async def release(self, box: DockerSandbox) -> None:
-        assert box.launch is not None and box.root is not None
-        if self.settings.keep_workspaces and box.launch.transcript:
-            await self._copy_out(box.container, box.launch.transcript, box.root / "home")
         await self._remove(box.container.id)
 
     async def verify(self, box: DockerSandbox) -> Verdict:
@@ -404,35 +483,17 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
             self._killed.discard(c.id)
         if box.root is not None and not self.settings.keep_workspaces:
             if os.geteuid() != 0:
-                await self._chown_back(box.req, box.root)
+                await self._chown_back(box.root, self._labels(box.req, "cleanup"))
             await anyio.to_thread.run_sync(rmtree, box.root)
 
-    async def _copy_out(self, c: Any, path: str, dest: Path) -> None:
-        """Copy ``path`` (file or folder) out of the stopped container into ``dest``; best effort, for inspection."""
-        import aiodocker
-
-        try:
-            with anyio.fail_after(self.settings.api_timeout_s):
-                tar = await c.get_archive(path)
-
-            def extract() -> None:
-                dest.mkdir(parents=True, exist_ok=True)
-                tar.extractall(dest, filter="data")
-
-            with tar:
-                await anyio.to_thread.run_sync(extract)
-        except (aiodocker.DockerError, aiohttp.ClientError, TimeoutError, OSError, tarfile.TarError) as e:
-            # A harness that failed early may not have written its transcript at all.
-            log.warning("transcript_copy_failed", container=c.id[:12], path=path, error=str(e))
-
-    async def _chown_back(self, req: RolloutRequest, root: Path) -> None:
-        """Files the container's root wrote are root-owned on the host; hand them back so they can be removed."""
+    async def _chown_back(self, root: Path, labels: dict[str, str]) -> None:
+        """Files the verifier's root wrote are root-owned on the host; hand them back so they can be removed."""
         import aiodocker
 
         config = {
             "Image": BASE_IMAGE,
             "Cmd": ["chown", "-R", f"{os.getuid()}:{os.getgid()}", "/x"],
-            "Labels": self._labels(req, "cleanup"),
+            "Labels": labels,
             "HostConfig": self._host_config([f"{root}:/x"], "none"),
         }
         owned: list[Any] = []
@@ -458,3 +519,4 @@ def _verifier_dirs(root: Path, task: Task) -> tuple[Path, Path]:
     fresh_dir(logs, 0o700)
     fresh_dir(logs / "verifier", 0o700)
     return tests, logs
+

@@ -4,7 +4,8 @@ The harness runs in its own session and process group under POSIX rlimits, and i
 environment marker (``BRIDLE_SANDBOX_RUN`` / ``BRIDLE_SANDBOX_ID``), so that even daemonized children die. It is
 convenient and the embedded default, but it is **no security boundary**: the harness runs as your user and can
 read your files and reach the network. The verifier runs afterwards as a process of its own
-(``pipeline/rollout/verify.py``).
+(``pipeline/rollout/verify.py``). :meth:`LocalBackend.start` kills what a crash of this run left (its marked
+processes, its rollout directories); a hard exit kills them through :meth:`LocalBackend.emergency_stop`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ import anyio
 import msgspec
 
 from pipeline.core.logs import get_logger
+from pipeline.core.runtime import on_emergency
 from pipeline.rollout.harnesses import Launch, LaunchContext, find_binary
 from pipeline.rollout.sandbox.base import (
     HarnessExit,
@@ -35,7 +38,7 @@ from pipeline.rollout.sandbox.base import (
     Verdict,
     VerifierError,
 )
-from pipeline.rollout.sandbox.util import file_tail, parse_size, rmtree, rollout_dir
+from pipeline.rollout.sandbox.util import file_tail, parse_size, remove_run_dirs, rmtree, rollout_dir
 from pipeline.rollout.tasks import seed_workspace
 from pipeline.rollout.verify import run_verifier_local
 
@@ -141,15 +144,29 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             if value is not None:
                 self._limits[name] = int(value)
         self._live: set[str] = set()
+        self._emergency = self.emergency_stop  # one bound method: on_emergency keys on its identity
+        self._unregister: Callable[[], None] = lambda: None
 
     async def start(self) -> None:
+        """Kill this run's processes and remove its rollout directories, as a crash of it left them; from now on
+        a hard exit (a second Ctrl-C) does the same (:meth:`emergency_stop`)."""
         n = kill_marked(f"{MARKER_RUN}={self.run_id}")
-        if n:
-            log.warning("reaped_processes", run=self.run_id, count=n)
+        dirs = 0 if self.settings.keep_workspaces else remove_run_dirs(self.settings.workdir, self.run_id)
+        if n or dirs:
+            log.warning("reaped_leftovers", run=self.run_id, processes=n, workspaces=dirs)
+        self._unregister = on_emergency(self._emergency)
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(kill_marked, f"{MARKER_RUN}={self.run_id}")
+        self._unregister()
+
+    def emergency_stop(self) -> None:
+        """Synchronously, for a process that exits without cleanup: kill every harness of this run (their own
+        sessions would outlive us) and remove the rollout directories."""
+        kill_marked(f"{MARKER_RUN}={self.run_id}")
+        if not self.settings.keep_workspaces:
+            remove_run_dirs(self.settings.workdir, self.run_id)
 
     def _binary(self, executable: str) -> str:
         """The harness executable on this host ("" when not found): in harness_bin if set, else find_binary."""
@@ -166,7 +183,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
     def _lay_out(self, box: LocalSandbox) -> None:
         s, h, task = self.settings, box.harness, box.task
         box.sandbox_id = f"{self.run_id}.{uuid.uuid4().hex[:8]}"
-        box.root = root = rollout_dir(s.workdir, box.req.rollout_id)
+        box.root = root = rollout_dir(s.workdir, self.run_id, box.req.rollout_id)
         ws, home, logs = root / "app", root / "home", root / "logs"
         seed_workspace(task, ws)
         home.mkdir()

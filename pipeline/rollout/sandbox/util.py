@@ -1,13 +1,18 @@
-"""Small helpers both sandbox backends use: sizes ("4g"), output tails, the per-rollout directory."""
+"""Small helpers of the sandbox backends: sizes ("4g"), output tails, the per-rollout directory, tars, pids."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
 import stat
+import tarfile
 import tempfile
+import time
 from pathlib import Path
+
+from pipeline.core.runfiles import remove_prefixed, safe_name
 
 TAIL_CHARS = 1500  # how much of an output RolloutFinished.details keeps
 
@@ -44,15 +49,58 @@ def file_tail(path: Path, limit: int = TAIL_CHARS) -> str:
         return tail(f.read().decode("utf-8", "replace"), limit)
 
 
-def rollout_dir(workdir: str, rollout_id: str) -> Path:
-    """A fresh directory ``bridle-<rollout id>-<random>`` for one rollout, under ``workdir`` (created if missing;
-    default: the system temp dir)."""
+def run_prefix(run_id: str) -> str:
+    """What the name of every rollout directory of the backend with ``run_id`` starts with (``run_id`` cannot
+    contain ``_``, so no other run's prefix starts with it)."""
+    return f"bridle-{safe_name(run_id, 48)}_"
+
+
+def rollout_dir(workdir: str, run_id: str, rollout_id: str) -> Path:
+    """A fresh directory ``bridle-<run id>_<rollout id>-<random>`` for one rollout, under ``workdir`` (created if
+    missing; default: the system temp dir). A restart of the run removes those a crash left
+    (:func:`remove_run_dirs`)."""
     if workdir:
         Path(workdir).mkdir(parents=True, exist_ok=True)
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", rollout_id)[:40]
-    return Path(tempfile.mkdtemp(prefix=f"bridle-{safe}-", dir=workdir or None))
+    return Path(tempfile.mkdtemp(prefix=f"{run_prefix(run_id)}{safe}-", dir=workdir or None))
+
+
+def remove_run_dirs(workdir: str, run_id: str) -> int:
+    """Remove every rollout directory of ``run_id`` under ``workdir`` (default: the system temp dir)."""
+    return len(remove_prefixed(workdir or tempfile.gettempdir(), run_prefix(run_id)))
 
 
 def rmtree(path: Path | None) -> None:
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def tar_files(files: dict[str, tuple[bytes, int]]) -> bytes:
+    """An in-memory tar of absolute container paths -> (content, mode), for put_archive at "/"."""
+    buf = io.BytesIO()
+    now = time.time()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        dirs: set[str] = set()
+        for path in files:
+            parts = Path(path.lstrip("/")).parts[:-1]
+            for i in range(1, len(parts) + 1):
+                dirs.add("/".join(parts[:i]))
+        for d in sorted(dirs):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, now
+            tar.addfile(info)
+        for path, (data, mode) in files.items():
+            info = tarfile.TarInfo(path.lstrip("/"))
+            info.size, info.mode, info.mtime = len(data), mode, now
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
