@@ -105,6 +105,8 @@ class LearnerActor(Actor[LearnerSettings]):
                                 max_staleness=self.ctx.run.max_staleness)
             if isinstance(todo, ColdStartReady):
                 await self._cold_start(todo)
+                if loop.finished:
+                    return  # a cold-start-only run ([run].steps = 0)
             elif isinstance(todo, StepReady):
                 await self._rl_step(todo)
                 if todo.last:

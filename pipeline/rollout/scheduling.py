@@ -100,6 +100,9 @@ class SchedulerSettings(Section):
                 f"{exp.source}: [{name}].max_new_tokens = {self.max_new_tokens} leaves no room for a prompt within "
                 f"[{proxy[0]}].context_len = {proxy[1].context_len}; lower the first or raise the second")
         learner = exp.kind_section("learner")
+        if learner is not None and exp.run.steps == 0 and self.sft_groups == 0:
+            raise ConfigError(f"{exp.source}: [run].steps = 0 and [{name}].sft_groups = 0: nothing to train; a run "
+                              "with no RL steps is a cold start only and needs demonstrations")
         if learner is not None and exp.run.steps > 0 and self.temperature < GREEDY_TEMPERATURE:
             raise ConfigError(
                 f"{exp.source}: [{name}].temperature = {self.temperature:g} is greedy decoding: the engine's "

@@ -86,7 +86,8 @@ class LearnerLoop:
 
     @property
     def finished(self) -> bool:
-        return self.steps_done >= self.steps
+        # steps = 0 is a cold-start-only run (the config requires demonstrations then): done once SFT is
+        return self.steps_done >= self.steps and (self.steps > 0 or self.cold_start_done)
 
     def receive(self, msg: TreeGroup | GroupDropped, *, version: int,
                 max_staleness: int) -> ColdStartReady | StepReady | None:

@@ -145,7 +145,9 @@ def test_cross_section_checks_name_both_fields():
     quickstart(["scheduler.group_size=1", 'learner.train.advantage="ppo"'])  # PPO needs no group
     with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].temperature = 0 is greedy .*\[learner\] cannot"):
         quickstart(["scheduler.temperature=0"])
-    quickstart(["scheduler.temperature=0", "run.steps=0"])  # nothing trained: greedy is fine
+    quickstart(["scheduler.temperature=0", "run.steps=0"])  # a cold start only: no sampled rollout is trained
+    with pytest.raises(cfg.ConfigError, match=r"\[run\].steps = 0 and \[scheduler\].sft_groups = 0: nothing"):
+        quickstart(["run.steps=0", "scheduler.sft_groups=0"])
     with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].tasks: task folder '/no/such' does not exist"):
         quickstart(['scheduler.tasks.tasks="/no/such"'])
     with pytest.raises(cfg.ConfigError, match=r"unknown built-in task families \['nope'\]"):

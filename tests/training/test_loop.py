@@ -67,6 +67,13 @@ def test_cold_start_waits_for_every_announced_pack_trained_or_dropped():
     assert loop.received == 0  # packs do not count towards RL steps
 
 
+def test_no_rl_steps_is_a_cold_start_only_run():
+    loop = LearnerLoop(steps=0, groups_per_step=2)
+    assert not loop.finished  # the demonstrations are still to come
+    ready = feed(loop, [group("p0", purpose="sft", packs=2), group("p1", purpose="sft", packs=2)])[1]
+    assert isinstance(ready, ColdStartReady) and loop.finished
+
+
 def test_packs_must_say_how_many_there_are_and_come_first():
     with pytest.raises(ValueError, match="how many packs"):
         feed(LearnerLoop(steps=1, groups_per_step=1), [group("p0", purpose="sft")])
