@@ -263,8 +263,12 @@ class Judge:
     async def score(self, instruction: str, rubric: str, workspace: Path) -> tuple[float, str]:
         """(score, reason) after at most ``attempts`` tries; raises JudgeError (bridle's words) after the last."""
         s = self.settings
-        snapshot = await anyio.to_thread.run_sync(
-            workspace_snapshot, workspace, s.max_workspace_chars, s.max_file_chars)
+        try:  # a workspace of millions of files takes a while to list; the thread is left to finish alone
+            with anyio.fail_after(s.timeout_s):
+                snapshot = await anyio.to_thread.run_sync(
+                    workspace_snapshot, workspace, s.max_workspace_chars, s.max_file_chars, abandon_on_cancel=True)
+        except TimeoutError:
+            raise JudgeError(f"the workspace could not be listed within {s.timeout_s:g}s") from None
         last = ""
         for attempt in range(1, s.attempts + 1):
             messages = build_messages(instruction, rubric, snapshot, secrets.token_hex(8))
