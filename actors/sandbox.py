@@ -2,7 +2,8 @@
 
 Inbox: ServiceReady (where the proxy listens; requests wait for it), RolloutRequest (already registered with the
 proxy). Outputs: ``finished`` (to the collector and the scheduler), ``metrics``. ``concurrency`` is hot-reloadable:
-it resizes the pool's limiter in place.
+it resizes the pool's limiter in place. ``[sandbox.judge]`` adds the rubric judge to every rollout's verdict
+(``pipeline/rollout/judge.py``): the pool runs the verifiers, so the judge's settings are a table of its section.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from pipeline.core.config import PosInt, Section
+from pipeline.core.config import Experiment, PosInt, Section
 from pipeline.core.runfiles import run_tag
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, RolloutFinished, RolloutRequest, ServiceReady
+from pipeline.rollout.judge import Judge, JudgeSettings
 from pipeline.rollout.sandbox import (
     DockerBackend,
     DockerSettings,
@@ -31,7 +33,12 @@ class SandboxConfig(Section):
     concurrency: PosInt = 4
     local: LocalSettings = msgspec.field(default_factory=LocalSettings)
     docker: DockerSettings = msgspec.field(default_factory=DockerSettings)
+    judge: JudgeSettings | None = None  # the rubric judge; none: the rule reward alone
     reloadable = frozenset({"concurrency"})
+
+    def check(self, name: str, exp: Experiment) -> None:
+        if self.judge is not None:
+            self.judge.check(f"[{name}].judge", exp.source)
 
 
 class SandboxPool(Actor[SandboxConfig]):
@@ -39,9 +46,11 @@ class SandboxPool(Actor[SandboxConfig]):
     outputs = ("finished", "metrics")
 
     def _backend(self, run_id: str) -> SandboxBackend:
-        if self.config.backend == "local":
-            return LocalBackend(self.config.local, run_id=run_id)
-        return DockerBackend(self.config.docker, run_id=run_id)
+        backend: SandboxBackend = (LocalBackend(self.config.local, run_id=run_id) if self.config.backend == "local"
+                                   else DockerBackend(self.config.docker, run_id=run_id))
+        if self.config.judge is not None:
+            backend.judge = Judge(self.config.judge)
+        return backend
 
     async def run(self) -> None:
         # The run's tag: a restart of this run (--resume) finds and removes what a crash of it left
@@ -67,6 +76,8 @@ class SandboxPool(Actor[SandboxConfig]):
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                 await backend.aclose()
+                if backend.judge is not None:
+                    await backend.judge.aclose()
 
     async def _one(self, backend: SandboxBackend, req: RolloutRequest, service: ServiceReady) -> None:
         async with self.limiter:

@@ -220,7 +220,7 @@ class RolloutFinished(_Msg, kw_only=True):
     group_id: str
     status: RolloutStatus
     reward: float = 0.0
-    rewards: dict[str, float] = msgspec.field(default_factory=dict)  # named parts, e.g. rule / rubric
+    rewards: dict[str, float] = msgspec.field(default_factory=dict)  # named parts, e.g. rule / judge
     exit_code: int | None = None
     details: str = ""  # bridle's verdict summary or error text (a harness failure: also the harness's output tail)
     timings: RolloutTimings = msgspec.field(default_factory=RolloutTimings)

@@ -272,8 +272,16 @@ def _check_graph(source: str, graph: GraphSection, actor_sections: list[str]) ->
         if name not in names:
             raise ConfigError(
                 f"{source}: unknown section [{name}]; sections are [experiment], [graph], [run] and one per actor "
-                f"in [graph].actors ({', '.join(sorted(names))})"
+                f"in [graph].actors ({', '.join(sorted(names))}){SECTION_HINTS.get(name, '')}"
             )
+
+
+# Sections people look for that are tables of an actor's section instead.
+SECTION_HINTS = {
+    "verifier": "; the sandbox actor runs the verifiers: the rubric judge is its table [sandbox.judge] "
+                "(docs/rollout.md, Judge)",
+    "judge": "; the rubric judge is a table of the sandbox actor's section: [sandbox.judge] (docs/rollout.md, Judge)",
+}
 
 
 def _decode_actor_section(source: str, graph: GraphSection, name: str, kind: str, raw: Any,

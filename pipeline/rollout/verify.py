@@ -11,8 +11,7 @@ What the sandbox wrote is read through :mod:`pipeline.rollout.untrusted` (no lin
 quoted into errors: :meth:`VerifierResult.summary` and ``error`` are bridle's own words. ``stdout_tail`` (test.sh's
 output, control characters removed) is for a person at a terminal, never for ``RolloutFinished.details``.
 
-An optional rubric judge (any OpenAI-compatible ``/chat/completions`` endpoint) scores the workspace against
-the task's rubric; the reward is then ``(1 - w) * rule + w * rubric`` (w = 0.3 by default).
+The rubric judge that may mix its score into this rule reward is :mod:`pipeline.rollout.judge`.
 
 test.sh runs as the current user: the local backend isolates the verifier from the harness in time, not by a
 security boundary. The built-in tasks' checker adds one where it can (a child process as another uid when run as
@@ -21,12 +20,9 @@ root; see ``pipeline/rollout/taskgen/check_template.py``). Use the Docker backen
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import signal
-import stat
 import subprocess
 import tempfile
 import time
@@ -35,34 +31,26 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-import aiohttp
 import anyio
 import msgspec
 
-from pipeline.core.logs import get_logger
 from pipeline.rollout.tasks import OracleAction, Task
 from pipeline.rollout.untrusted import (
     RewardError,
-    UntrustedFileError,
     fresh_dir,
     printable,
     read_reward,
-    read_under,
-    walk_files,
 )
 
 __all__ = ["RewardError", "read_reward"]  # re-exported: where the verifiers' callers have always found them
 
-log = get_logger(component="verify")
-
-DEFAULT_RUBRIC_WEIGHT = 0.3
 TAIL_CHARS = 4000
 
 
 class VerifierResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     status: Literal["ok", "verifier_error"]
     reward: float = 0.0
-    rewards: dict[str, float] = msgspec.field(default_factory=dict)  # rule, rubric, and named parts
+    rewards: dict[str, float] = msgspec.field(default_factory=dict)  # rule, and the named parts of reward.json
     exit_code: int | None = None
     stdout_tail: str = ""  # test.sh's output, for a person; never put into RolloutFinished.details
     error: str = ""  # why status is verifier_error, in bridle's words (no byte of what the sandbox wrote)
@@ -158,154 +146,6 @@ async def run_script(
     return ScriptResult(exit_code=None if timed_out else proc.returncode, timed_out=timed_out, output_tail=tail)
 
 
-# ------------------------------------------------------------------------------------------------ judge
-class JudgeConfig(msgspec.Struct, kw_only=True):
-    base_url: str  # e.g. "http://127.0.0.1:8000/v1"
-    model: str
-    api_key: str = ""
-    timeout_s: float = 120.0
-    max_tokens: int = 512
-    temperature: float = 0.0
-    attempts: int = 2
-    max_workspace_chars: int = 24_000
-    max_file_chars: int = 4_000
-
-
-class JudgeError(RuntimeError):
-    pass
-
-
-JUDGE_SYSTEM = (
-    "You grade the work of an AI agent against a rubric. Read the task, the rubric and the final state of the "
-    'agent\'s workspace. Reply with only a JSON object: {"score": <number from 0 to 1>, "reason": '
-    '"<one sentence>"}.'
-)
-
-
-def workspace_snapshot(workspace: Path, max_chars: int, max_file_chars: int) -> str:
-    """File list plus the head of each text file, capped at ``max_chars`` (what the judge sees).
-
-    Only the workspace's own regular files are read: a symbolic link (to a file elsewhere on this host, say) is
-    listed but never followed, nor is a file with other hard links; hidden files and ``__pycache__`` are left out.
-    """
-    parts: list[str] = []
-    used = 0
-    files = [
-        (rel, st)
-        for rel, st in walk_files(workspace)
-        if not any(s.startswith(".") or s == "__pycache__" for s in rel.split("/"))
-    ]
-    for rel, st in files:
-        body = f"=== {rel} === ({_not_shown(st)}, not shown)\n" if _not_shown(st) else ""
-        if not body:
-            try:
-                data = read_under(workspace, rel, max_file_chars * 4, head=True)
-                text = data[: max_file_chars * 4].decode("utf-8")[:max_file_chars]
-                body = f"=== {rel} ===\n{text}\n"
-            except UnicodeDecodeError:
-                body = f"=== {rel} === (binary, {st.st_size} bytes)\n"
-            except (OSError, UntrustedFileError):
-                body = f"=== {rel} === (changed while read, not shown)\n"
-        if used + len(body) > max_chars:
-            parts.append(f"... {len(files) - len(parts)} more files not shown\n")
-            break
-        parts.append(body)
-        used += len(body)
-    return "".join(parts) or "(empty workspace)\n"
-
-
-def _not_shown(st: os.stat_result) -> str:
-    """Why a workspace entry's content is not shown to the judge ("" when it is)."""
-    if stat.S_ISLNK(st.st_mode):
-        return "symbolic link"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_nlink > 1:
-        return "hard link"
-    return ""
-
-
-def parse_judge_score(content: str) -> tuple[float, str]:
-    for m in re.finditer(r"\{.*?\}", content, re.DOTALL):
-        try:
-            obj = json.loads(m.group(0))
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict) and "score" in obj:
-            score, reason = obj["score"], str(obj.get("reason", ""))
-            break
-    else:
-        m2 = re.search(r"score\"?\s*[:=]\s*(-?[0-9.]+)", content)
-        if not m2:
-            raise JudgeError(f"judge reply has no score: {content[:200]!r}")
-        score, reason = m2.group(1), ""
-    try:
-        x = float(score)
-    except (TypeError, ValueError):
-        raise JudgeError(f"judge score is not a number: {score!r}") from None
-    if not (0.0 <= x <= 1.0):
-        raise JudgeError(f"judge score {x} is outside [0, 1]")
-    return x, reason
-
-
-class RubricJudge:
-    """LLM-as-judge through an OpenAI-compatible Chat Completions endpoint."""
-
-    def __init__(self, config: JudgeConfig):
-        self.config = config
-
-    async def score(
-        self, *, instruction: str, rubric: str, workspace: Path, transcript: str | None = None
-    ) -> tuple[float, str]:
-        c = self.config
-        user = (
-            f"## Task given to the agent\n{instruction.strip()}\n\n## Rubric\n{rubric.strip()}\n\n"
-            f"## Final workspace\n{workspace_snapshot(workspace, c.max_workspace_chars, c.max_file_chars)}"
-        )
-        if transcript:
-            user += f"\n## Agent transcript (end)\n{transcript[-c.max_workspace_chars // 2 :]}\n"
-        body = {
-            "model": c.model,
-            "messages": [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": user}],
-            "max_tokens": c.max_tokens,
-            "temperature": c.temperature,
-        }
-        headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
-        url = c.base_url.rstrip("/") + "/chat/completions"
-        last = ""
-        for attempt in range(1, c.attempts + 1):
-            try:
-                timeout = aiohttp.ClientTimeout(total=c.timeout_s)
-                async with (
-                    aiohttp.ClientSession(timeout=timeout) as s,
-                    s.post(url, json=body, headers=headers) as r,
-                ):
-                    text = await r.text()
-                    status = r.status
-                if status != 200:
-                    last = f"HTTP {status} from {url}: {text[:300]}"
-                    if status < 500 and status != 429:
-                        break
-                    await anyio.sleep(0.5 * attempt)
-                    continue
-                data = json.loads(text)
-                content = data["choices"][0]["message"]["content"] or ""
-                return parse_judge_score(content)
-            except (aiohttp.ClientError, TimeoutError) as e:
-                last = f"{type(e).__name__} talking to {url}: {e}"
-                log.warning("judge_retry", attempt=attempt, error=last)
-                await anyio.sleep(0.5 * attempt)
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-                raise JudgeError(f"unexpected reply from {url} ({type(e).__name__}: {e})") from None
-        raise JudgeError(last or f"judge at {url} gave no answer")
-
-
-def mix_rewards(rule: float, rubric: float, rubric_weight: float = DEFAULT_RUBRIC_WEIGHT) -> float:
-    if not 0.0 <= rubric_weight <= 1.0:
-        raise ValueError(f"rubric_weight must be in [0, 1], got {rubric_weight}")
-    return (1.0 - rubric_weight) * rule + rubric_weight * rubric
-
-
 # --------------------------------------------------------------------------------------------- verifier
 def _lay_out(task: Task, tmp: Path, logs_dir: str | Path | None) -> tuple[Path, Path]:
     """(tests, logs) for one verification: a fresh copy of ``tests/`` in ``tmp`` (a private folder: 0700, so a
@@ -327,14 +167,10 @@ async def run_verifier_local(
     timeout_s: float | None = None,
     *,
     logs_dir: str | Path | None = None,
-    judge: RubricJudge | None = None,
-    rubric_weight: float = DEFAULT_RUBRIC_WEIGHT,
-    transcript: str | None = None,
 ) -> VerifierResult:
     """Score ``workspace`` with the task's verifier. Call only after the harness has exited.
 
     ``logs_dir`` receives ``verifier/`` (reward, test-stdout.txt); a temporary one is used when omitted.
-    With a ``judge`` and a task rubric, the reward is the weighted mix of rule and rubric scores.
     """
     ws = Path(await anyio.Path(workspace).resolve())
     limit_s = timeout_s if timeout_s is not None else task.config.verifier.timeout_sec
@@ -359,19 +195,7 @@ async def run_verifier_local(
             return done(status="verifier_error", error=f"{e} (test.sh exit code {res.exit_code})",
                         duration_s=time.monotonic() - t0)
     rewards = {**parts, "rule": rule}
-    reward = rule
-    if judge is not None and task.rubric:
-        try:
-            score, reason = await judge.score(
-                instruction=task.instruction, rubric=task.rubric, workspace=ws, transcript=transcript
-            )
-        except JudgeError as e:
-            return done(status="verifier_error", error=f"rubric judge failed: {e}", rewards=rewards,
-                        duration_s=time.monotonic() - t0)
-        rewards["rubric"] = score
-        reward = mix_rewards(rule, score, rubric_weight)
-        log.info("judged", task=task.id, rule=rule, rubric=score, reason=reason[:200])
-    return done(status="ok", reward=reward, rewards=rewards, duration_s=time.monotonic() - t0)
+    return done(status="ok", reward=rule, rewards=rewards, duration_s=time.monotonic() - t0)
 
 
 def run_verifier_local_sync(

@@ -38,10 +38,10 @@ import structlog
 
 from pipeline.core.eventlog import EventLogReader, EventLogWriter, LogHeader
 from pipeline.messages import SCHEMA_VERSION, RolloutFinished, RolloutRequest
+from pipeline.rollout.judge import workspace_snapshot
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend, LocalSettings
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import Task, TaskSpec, materialize
-from pipeline.rollout.verify import workspace_snapshot
 from tests.helpers.ci import require
 from tests.helpers.proxyutil import running_proxy
 

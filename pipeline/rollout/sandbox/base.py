@@ -12,7 +12,8 @@ in order and turns that into the :class:`~pipeline.messages.RolloutFinished`, in
 4. :meth:`~SandboxBackend.release` keeps what should outlive the harness (its transcript) and frees what it held
    (``timings.harness_done``);
 5. :meth:`~SandboxBackend.verify` runs the task's verifier over the workspace in a process or container of its
-   own, after the harness is gone (``timings.verified``);
+   own, after the harness is gone; with a rubric judge (:attr:`SandboxBackend.judge`, ``[sandbox.judge]``) the
+   template then mixes the judge's score of the workspace into the rule reward (``timings.verified``);
 6. :meth:`~SandboxBackend.cleanup` always runs, shielded from cancellation and bounded by ``cleanup_timeout_s``.
 
 The status tells the failure classes apart:
@@ -25,7 +26,8 @@ The status tells the failure classes apart:
 - ``sandbox_error``: the sandbox could not be prepared or started (unknown harness, missing executable, image or
   socket, a task without the ``solution/`` its harness needs), or it died under the harness (killed or removed
   from outside, the engine failed); no reward;
-- ``verifier_error``: the verifier wrote no valid reward, failed or timed out; no reward.
+- ``verifier_error``: the verifier wrote no valid reward, failed or timed out, or the judge gave no usable score
+  and its ``on_failure`` is ``verifier_error``; no reward.
 
 ``run`` never raises for these (they are statuses); cancellation propagates after the sandbox has been destroyed.
 """
@@ -44,6 +46,7 @@ import anyio
 from pipeline.core.logs import get_logger
 from pipeline.messages import RolloutFinished, RolloutRequest, RolloutStatus, RolloutTimings
 from pipeline.rollout.harnesses import Harness, Launch, sandbox_harness
+from pipeline.rollout.judge import Judge
 from pipeline.rollout.sandbox.util import tail
 from pipeline.rollout.tasks import Task
 
@@ -91,7 +94,7 @@ class Verdict:
     """What the verifier said about the workspace."""
 
     reward: float
-    rewards: dict[str, float]  # named parts: rule, rubric, ...
+    rewards: dict[str, float]  # named parts: rule, judge, ...
     summary: str  # bridle's own words about it (no byte the sandbox wrote): RolloutFinished.details
 
 
@@ -105,6 +108,7 @@ class SandboxBackend(ABC, Generic[S]):
     sandbox_type: type[S]  # the backend's Sandbox subclass, made fresh for each rollout
     cleanup_timeout_s: float = CLEANUP_TIMEOUT_S
     memory_limit: str | None = None  # the harness's memory limit as configured, for the out-of-memory message
+    judge: Judge | None = None  # the rubric judge, when configured (its owner closes it)
 
     def __init__(self, *, run_id: str = ""):
         self.run_id = run_id or uuid.uuid4().hex[:12]
@@ -144,6 +148,11 @@ class SandboxBackend(ABC, Generic[S]):
     @abstractmethod
     async def verify(self, box: S) -> Verdict:
         """Score the workspace with the task's verifier. Raises VerifierError without a valid reward."""
+
+    def workspace(self, box: S) -> Path:
+        """The workspace's folder on this host (what the judge reads)."""
+        assert box.root is not None
+        return box.root / "app"
 
     @abstractmethod
     async def cleanup(self, box: S) -> None:
@@ -188,6 +197,8 @@ class SandboxBackend(ABC, Generic[S]):
 
             try:
                 verdict = await self.verify(box)
+                if self.judge is not None:
+                    verdict = await self._judged(box, verdict)
             except VerifierError as e:
                 t.verified = time.time()
                 return finish("verifier_error", str(e), exit_code=ended.exit_code)
@@ -200,6 +211,16 @@ class SandboxBackend(ABC, Generic[S]):
             if box is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(self.cleanup_timeout_s):
                     await self.cleanup(box)
+
+    async def _judged(self, box: S, verdict: Verdict) -> Verdict:
+        """``verdict`` with the judge's score mixed in. Raises VerifierError when the judge failed and its
+        ``on_failure`` is ``verifier_error``."""
+        assert self.judge is not None
+        j = await self.judge.judge(box.task, self.workspace(box), verdict.reward, verdict.rewards)
+        if j.error and self.judge.settings.on_failure == "verifier_error":
+            raise VerifierError(f"the judge failed: {j.error}")
+        summary = f"{j.note}; verifier: {verdict.summary}" if j.note else verdict.summary
+        return Verdict(reward=j.reward, rewards=j.rewards, summary=summary)
 
     def _harness_failed(self, ended: HarnessExit, output: str) -> tuple[RolloutStatus, str] | None:
         """(status, details) when the way the harness ended leaves nothing to verify; None when the workspace is
