@@ -193,10 +193,11 @@ def test_read_reward_follows_no_link(tmp_path):
 @given(st.text(min_size=1, max_size=200).filter(lambda t: t.strip()), st.sampled_from(["reward.txt", "reward.json"]))
 def test_reward_errors_never_quote_the_file(tmp_path_factory, text, name):
     d = tmp_path_factory.mktemp("v")
-    (d / name).write_text(f"x{text}")  # never a valid number nor valid JSON
+    content = f"\u2603{text}"  # a snowman first: never a number nor JSON, and in no message bridle writes
+    (d / name).write_text(content)
     with pytest.raises(RewardError) as e:
         read_reward(d)
-    assert f"x{text}" not in str(e.value)
+    assert "\u2603" not in str(e.value) and content not in str(e.value)
 
 
 def test_verifier_output_is_not_followed_nor_summarized(tmp_path):
