@@ -25,7 +25,7 @@ def held_out_count(evaluated: Path, *training: Path) -> int:
     from pipeline.eval.plan import held_out
     from pipeline.rollout.tasks import load_task_dir
 
-    return len(held_out(load_task_dir(evaluated), [t for d in training for t in load_task_dir(d)])[0])
+    return len(held_out(load_task_dir(evaluated), [t for d in training if d.is_dir() for t in load_task_dir(d)])[0])
 
 
 def test_sft_policy_beats_the_random_init_on_held_out_tasks(tmp_path):
