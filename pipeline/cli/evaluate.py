@@ -13,9 +13,18 @@ import msgspec
 from pipeline.core import config as cfg
 from pipeline.core.eventlog import EventLogReader
 from pipeline.core.runtime import Resolver
+from pipeline.eval.behaviour import Behaviour
 from pipeline.eval.estimators import paired_difference, pass_at_k
 from pipeline.eval.report import Report
-from pipeline.eval.run import RoundResult, finish, metric_values, rounds_from_log, text
+from pipeline.eval.run import (
+    RoundResult,
+    behaviour_by_harness,
+    behaviour_table,
+    finish,
+    metric_values,
+    rounds_from_log,
+    text,
+)
 from pipeline.messages import SettledRollout
 
 # What an evaluation runs of an experiment's graph: everything else (scheduler, tree builder, learner) is left out.
@@ -86,26 +95,38 @@ def _require_edges(exp: cfg.Experiment, ev: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ replay
-def replay_rounds(log_path: Path) -> list[RoundResult]:
-    """Every evaluation round of a recorded run, recomputed from the log (its recorded [eval] ks and threshold)."""
+class Replayed(msgspec.Struct, kw_only=True):
+    rounds: list[RoundResult]
+    training: dict[str, Behaviour]  # the behavioural metrics of the run's training rollouts, per harness
+
+
+def replay_rounds(log_path: Path) -> Replayed:
+    """Every evaluation round of a recorded run, recomputed from the log (its recorded [eval] ks and threshold),
+    and the behaviour of its training rollouts."""
     reader = EventLogReader(log_path)
     conf = msgspec.to_builtins(reader.header.config)
     ev = next((n for n, k in conf.get("graph", {}).get("actors", {}).items() if k == "evaluator"), None)
     sec = conf.get(ev, {}) if ev else {}
     ks, threshold = sec.get("ks", [1]), float(sec.get("threshold", 1.0))
     settled = [e.msg for e in reader if isinstance(e.msg, SettledRollout)]
-    return [finish(rs, ks, threshold, step=step) for step, rs in rounds_from_log(settled).items()]
+    rounds = [finish(rs, ks, threshold, step=step) for step, rs in rounds_from_log(settled).items()]
+    training = behaviour_by_harness([r for r in settled if r.request.purpose == "train"], threshold)
+    return Replayed(rounds=rounds, training=training)
 
 
-def replay_text(results: list[RoundResult]) -> str:
-    if not results:
-        return "no evaluation rollouts in this log"
-    return "\n".join(text(r) for r in results)
+def replay_text(res: Replayed) -> str:
+    parts = [text(r) + "\n" + behaviour_table({"all": r.behaviour, **r.by_harness}) for r in res.rounds]
+    parts = parts or ["no evaluation rollouts in this log"]
+    if res.training:
+        parts.append("# Training rollouts: behaviour per harness\n\n" + behaviour_table(res.training))
+    return "\n".join(parts)
 
 
-def replay_json(results: list[RoundResult]) -> str:
-    return msgspec.json.encode([{"step": r.report.step, "values": metric_values(r), "report": r.report,
-                                 "behaviour": r.behaviour} for r in results]).decode()
+def replay_json(res: Replayed) -> str:
+    return msgspec.json.encode({
+        "rounds": [{"step": r.report.step, "values": metric_values(r), "report": r.report, "behaviour": r.behaviour,
+                    "by_harness": r.by_harness} for r in res.rounds],
+        "training": res.training}).decode()
 
 
 # ------------------------------------------------------------------------------------------------ compare

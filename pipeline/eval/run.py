@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.eval.behaviour import Behaviour, behaviour
+from pipeline.eval.behaviour import METRICS, Behaviour, behaviour
 from pipeline.eval.report import Report, Sample, build_report, markdown, write
 from pipeline.messages import SettledRollout
 
@@ -19,6 +19,20 @@ class RoundResult(msgspec.Struct, kw_only=True):
     report: Report
     behaviour: Behaviour
     versions: list[int]  # the policy versions that sampled the round's tokens (weights can land mid-round)
+    by_harness: dict[str, Behaviour] = msgspec.field(default_factory=dict)
+
+
+def behaviour_by_harness(rollouts: list[SettledRollout], threshold: float) -> dict[str, Behaviour]:
+    """The behavioural metrics of each harness's rollouts (training or evaluation alike)."""
+    by: dict[str, list[SettledRollout]] = defaultdict(list)
+    for r in rollouts:
+        by[r.request.harness].append(r)
+    return {h: behaviour(rs, succeeded=_succeeded(threshold), oracle_steps=_oracle_steps(rs))
+            for h, rs in sorted(by.items())}
+
+
+def _succeeded(threshold: float) -> Callable[[SettledRollout], bool]:
+    return lambda r: r.finished.status == "ok" and r.finished.reward >= threshold
 
 
 def samples(rollouts: Iterable[SettledRollout]) -> list[Sample]:
@@ -31,13 +45,14 @@ def samples(rollouts: Iterable[SettledRollout]) -> list[Sample]:
 def finish(rollouts: list[SettledRollout], ks: list[int], threshold: float, *, step: int = -1,
            policy: str = "") -> RoundResult:
     report = build_report(samples(rollouts), ks, threshold=threshold, policy=policy, step=step)
-    beh = behaviour(rollouts, succeeded=lambda r: r.finished.status == "ok" and r.finished.reward >= threshold,
-                    oracle_steps=_oracle_steps(rollouts))
+    beh = behaviour(rollouts, succeeded=_succeeded(threshold), oracle_steps=_oracle_steps(rollouts))
     versions = sorted({s.version for r in rollouts for c in r.calls for s in c.versions})
-    return RoundResult(report=report, behaviour=beh, versions=versions)
+    return RoundResult(report=report, behaviour=beh, versions=versions,
+                       by_harness=behaviour_by_harness(rollouts, threshold))
 
 
 def _oracle_steps(rollouts: list[SettledRollout]) -> Callable[[str], int | None]:
+    """The oracle length by task, from the rollouts' evaluation tags (training rollouts carry none: None)."""
     steps = {r.request.task_id: r.request.eval.oracle_steps for r in rollouts if r.request.eval}
     return lambda task_id: steps.get(task_id) or None
 
@@ -64,16 +79,23 @@ def metric_values(res: RoundResult) -> dict[str, float]:
     return out
 
 
+def behaviour_table(rows: dict[str, Behaviour]) -> str:
+    """One row per harness (or "all"), one column per metric: the value with its interval and its n."""
+    head = "| harness | rollouts | " + " | ".join(m.replace("_", " ") for m in METRICS) + " |"
+    lines = [head, "|" + " --- |" * (len(METRICS) + 2)]
+    for key, b in rows.items():
+        cells = [f"{getattr(b, m).text()} (n={getattr(b, m).n})" for m in METRICS]
+        lines.append(f"| {key} | {b.rollouts} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_round(res: RoundResult, out_dir: Path) -> list[Path]:
     paths = write(res.report, out_dir)
     beh = out_dir / "behaviour.json"
     beh.write_bytes(msgspec.json.format(msgspec.json.encode(res.behaviour)))
     with (out_dir / "report.md").open("a") as f:
-        f.write("\n## Behaviour (main-agent calls; docs/evaluation.md)\n\n| metric | value | n |\n| --- | --- | --- |\n")
-        for name in ("format_robustness", "error_recovery", "self_verification", "tool_coverage",
-                     "step_efficiency"):
-            e = getattr(res.behaviour, name)
-            f.write(f"| {name.replace('_', ' ')} | {e.text()} | {e.n} |\n")
+        f.write("\n## Behaviour (main-agent calls; docs/evaluation.md)\n\n")
+        f.write(behaviour_table({"all": res.behaviour, **res.by_harness}))
         f.write(f"\nPolicy versions that sampled this round: {res.versions or 'n/a'}\n")
     return [*paths, beh]
 

@@ -77,9 +77,10 @@ def test_sft_policy_beats_the_random_init_on_held_out_tasks(tmp_path):
     # the same numbers again from the event log alone
     rp = run("--replay", str(tmp_path / "eval-sft" / "events.msgpack"), "--eval", "--json")
     assert rp.returncode == 0, rp.stderr[-2000:]
-    again = json.loads(rp.stdout)
+    again = json.loads(rp.stdout)["rounds"]
     assert len(again) == 1 and again[0]["step"] == -1
     assert again[0]["report"]["rows"] == rep["rows"]
+    assert again[0]["by_harness"]["whitebox:S0T0O0C0W0"]["calls"] == beh["calls"]
 
 
 def test_scaling_run_evaluates_held_out_configurations_periodically(tmp_path):
@@ -105,3 +106,9 @@ def test_scaling_run_evaluates_held_out_configurations_periodically(tmp_path):
 
     groups = [e.msg for e in EventLogReader(tmp_path / "run" / "events.msgpack") if isinstance(e.msg, TreeGroup)]
     assert groups and all(g.purpose != "eval" for g in groups)
+    # behaviour for training and evaluation rollouts alike, per harness, from the log
+    rp = run("--replay", str(tmp_path / "run" / "events.msgpack"), "--eval", "--json")
+    out = json.loads(rp.stdout)
+    assert [r["step"] for r in out["rounds"]] == [0, 1, 2]
+    assert out["training"] and all(b["calls"] > 0 for b in out["training"].values())
+    assert all(h.startswith("whitebox:") for h in out["training"])
