@@ -8,21 +8,19 @@ import inspect
 import itertools
 from typing import Any
 
-import anyio
 import pytest
 import torch
-from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.messages import VersionSpan
 from pipeline.serving import sglang_api as api
 from pipeline.serving.embedded.batcher import Req
-from pipeline.serving.engine import EngineBadRequest, EngineProtocolError, EngineSampling
+from pipeline.serving.engine import EngineProtocolError
 from pipeline.serving.engine_call import result_versions
-from pipeline.serving.launch import free_port
 from pipeline.serving.sglang_api import read_weight_versions, write_weight_versions
 from pipeline.serving.sglang_client import HttpEngine, parse_generate
+from tests.helpers.sglang_record import record_client
 
 
 def answer(n: int, spans: Any, finish: Any = None, version: str = "4") -> dict:
@@ -127,144 +125,24 @@ def test_the_embedded_engine_answers_sglang_spans():
 
 
 # ------------------------------------------------------------------ the client uses only the declared API
-class Tracked(dict):
-    """A JSON object that records which of its keys the client looked at (``path``: where it sits)."""
-
-    def __init__(self, obj: dict, path: str, reads: set[tuple[str, str]]) -> None:
-        super().__init__({k: track(v, f"{path}.{k}" if path else k, reads) for k, v in obj.items()})
-        self._path, self._reads = path, reads
-
-    def __getitem__(self, key: str) -> Any:
-        self._reads.add((self._path, key))
-        return super().__getitem__(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        self._reads.add((self._path, key))
-        return super().get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        self._reads.add((self._path, str(key)))
-        return super().__contains__(key)
-
-    def __iter__(self):
-        self._reads.add((self._path, "*every key*"))
-        return super().__iter__()
-
-    def items(self):
-        self._reads.add((self._path, "*every key*"))
-        return super().items()
-
-    def values(self):
-        self._reads.add((self._path, "*every key*"))
-        return super().values()
-
-
-def track(obj: Any, path: str, reads: set[tuple[str, str]]) -> Any:
-    if isinstance(obj, dict):
-        return Tracked(obj, path, reads)
-    if isinstance(obj, list):
-        return [track(x, f"{path}[]", reads) for x in obj]
-    return obj
-
-
-GENERATE_ANSWER = {
-    "text": "ab",
-    "output_ids": [7, 8, 9],
-    "meta_info": {
-        "id": "g",
-        "finish_reason": {"type": "stop", "matched": 9},
-        "prompt_tokens": 2,
-        "completion_tokens": 3,
-        "cached_tokens": 0,
-        "reasoning_tokens": 0,
-        "num_retractions": 0,
-        "e2e_latency": 0.1,
-        "weight_version": "4",
-        "weight_versions": [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}],
-        "output_token_logprobs": [[-0.1, 7, None], [-0.2, 8, None], [-0.3, 9, None]],
-        "output_token_logprobs_length": 3,
-    },
-}
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, Any]] = []
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json() if request.can_read_body else None
-        self.calls.append((request.method, request.path, body))
-        if request.path == "/generate":
-            return web.json_response({**GENERATE_ANSWER, "meta_info": {**GENERATE_ANSWER["meta_info"],
-                                                                         "id": body["rid"]}})
-        if request.path == "/update_weights_from_disk":
-            ok = body["model_path"] != "/refused"
-            return web.json_response({"success": ok, "message": "ok" if ok else "refused", "num_paused_requests": 0})
-        if request.path in ("/model_info", "/server_info"):
-            return web.json_response({"model_path": "/m", "weight_version": "4"})
-        return web.json_response({"message": "ok", "status": "ok"}) if request.method == "POST" else web.Response()
-
-
 def test_the_client_sends_and_reads_only_the_declared_keys(monkeypatch):
-    reads: set[tuple[str, str]] = set()
-    check = HttpEngine._check
-
-    def tracked_check(url: str, status: int, raw: bytes) -> Any:
-        path = url.split("/", 3)[3]
-        return track(check(url, status, raw), "" if path == "generate" else f"/{path}", reads)
-
-    monkeypatch.setattr(HttpEngine, "_check", staticmethod(tracked_check))
-    rec = Recorder()
-    exercised: set[str] = set()
-
-    async def main():
-        app = web.Application()
-        app.router.add_route("*", "/{path:.*}", rec.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with HttpEngine(f"http://127.0.0.1:{port}") as c:
-                full = EngineSampling(temperature=0.5, top_p=0.9, top_k=5, max_new_tokens=3, stop_token_ids=(9,),
-                                      ignore_eos=True, seed=1)
-                res = await c.generate([1, 2], full, rid="g1")
-                assert res.spans() == [VersionSpan(0, 3), VersionSpan(1, 4)]
-                await c.generate([1, 2], EngineSampling())
-                await c.update_weights("/ckpt", 4)
-                await c.update_weights("/ckpt", 5, abort_all_requests=True)
-                with pytest.raises(EngineBadRequest, match="refused"):
-                    await c.update_weights("/refused", 6)
-                for mode in sorted(api.PAUSE_MODES):
-                    await c.pause(mode)  # type: ignore[arg-type]
-                await c.resume()
-                await c.abort("g1")
-                await c.abort()
-                assert await c.health()
-                await c.model_info()
-                await c.server_info()
-                exercised.update({"generate", "update_weights", "pause", "resume", "abort", "health", "model_info",
-                                  "server_info"})
-        finally:
-            await runner.cleanup()
-
-    anyio.run(main)
+    calls, reads, exercised = record_client(monkeypatch)
     public = {n for n, f in inspect.getmembers(HttpEngine, inspect.iscoroutinefunction) if not n.startswith("_")}
-    assert public - {"aclose"} == exercised, "a new HttpEngine call: exercise it here and declare it in sglang_api"
+    assert public - {"aclose"} == exercised, "a new HttpEngine call: make it in record_client, declare it in sglang_api"
 
     # requests: every endpoint the client calls is declared, with no body key beyond the declared ones
     sent: dict[tuple[str, str], set[str] | None] = {}
-    for method, path, body in rec.calls:
+    for method, path, body in calls:
         if body is None:
             sent.setdefault((method, path), None)
         else:
             sent[(method, path)] = (sent.get((method, path)) or set()) | set(body)
     generate = sent.pop(("POST", "/generate"))
     assert generate == set(api.GENERATE_REQUEST)
-    sampling = set().union(*(set(b["sampling_params"]) for _, p, b in rec.calls if p == "/generate"))
+    sampling = set().union(*(set(b["sampling_params"]) for _, p, b in calls if p == "/generate"))
     assert sampling == set(api.SAMPLING_PARAMS)
     assert sent == {k: (None if v is None else set(v)) for k, v in api.CONTROL.items()}
-    assert {b["mode"] for _, p, b in rec.calls if p == "/pause_generation"} == set(api.PAUSE_MODES)
+    assert {b["mode"] for _, p, b in calls if p == "/pause_generation"} == set(api.PAUSE_MODES)
 
     # responses: the client looked at exactly the declared keys
     by_path: dict[str, set[str]] = {}
