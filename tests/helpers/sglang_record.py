@@ -1,5 +1,6 @@
 """What :class:`HttpEngine` really sends to SGLang and reads of its answers: every public call made against a
-recording server, and every JSON answer handed to the client as an object that records the keys it looks at."""
+recording server, and every JSON answer handed to the client as an object that records the keys it looks at. Also
+the embedded engine's answers in a chosen state, without a model."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 from aiohttp import web
 
 from pipeline.messages import VersionSpan
 from pipeline.serving import sglang_api as api
+from pipeline.serving.embedded.batcher import Req
 from pipeline.serving.engine import EngineBadRequest, EngineSampling
 from pipeline.serving.launch import free_port
 from pipeline.serving.sglang_client import HttpEngine
@@ -149,3 +152,13 @@ def record_client(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[str, str,
 
     anyio.run(main)
     return rec.calls, reads, made
+
+
+def embedded_answer(n: int, spans: list[tuple[int, str]], finish: dict | None, version: str = "5") -> dict[str, Any]:
+    """The embedded engine's /generate answer for a request with ``n`` output tokens whose versions changed at
+    ``spans``, finished with ``finish`` (None: a streamed chunk), the engine being at ``version``."""
+    r = Req(rid="e", prompt=[1, 2], max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=-1, stop_ids=frozenset(),
+            ignore_eos=False, return_logprob=True, stream=True, generator=torch.Generator(),
+            deliver=lambda payload, final: None)
+    r.out_ids, r.logprobs, r.spans, r.finish = list(range(10, 10 + n)), [-1.0] * n, spans, finish
+    return r.payload(version)

@@ -9,18 +9,16 @@ import itertools
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.messages import VersionSpan
 from pipeline.serving import sglang_api as api
-from pipeline.serving.embedded.batcher import Req
 from pipeline.serving.engine import EngineProtocolError
 from pipeline.serving.engine_call import result_versions
 from pipeline.serving.sglang_api import read_weight_versions, write_weight_versions
 from pipeline.serving.sglang_client import HttpEngine, parse_generate
-from tests.helpers.sglang_record import record_client
+from tests.helpers.sglang_record import embedded_answer, record_client
 
 
 def answer(n: int, spans: Any, finish: Any = None, version: str = "4") -> dict:
@@ -99,17 +97,9 @@ def test_written_spans_read_back_exactly(n, cuts, first):
         assert written == [{"version": "99", "start": 0, "end": 0}]
 
 
-def embedded_request(n: int, spans: list[tuple[int, str]], finish: dict | None) -> Req:
-    r = Req(rid="e", prompt=[1, 2], max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=-1, stop_ids=frozenset(),
-            ignore_eos=False, return_logprob=True, stream=True, generator=torch.Generator(),
-            deliver=lambda payload, final: None)
-    r.out_ids, r.logprobs, r.spans, r.finish = list(range(10, 10 + n)), [-1.0] * n, spans, finish
-    return r
-
-
 def test_the_embedded_engine_answers_sglang_spans():
     """Tokens 0-1 by version 3, 2-4 by version 4; the engine is at version 5 by the time it answers."""
-    done = embedded_request(5, [(0, "3"), (2, "4")], {"type": "length", "length": 5}).payload("5")
+    done = embedded_answer(5, [(0, "3"), (2, "4")], {"type": "length", "length": 5})
     assert done["meta_info"]["weight_versions"] == [
         {"version": "3", "start": 0, "end": 2},
         {"version": "4", "start": 2, "end": 5},
@@ -117,10 +107,10 @@ def test_the_embedded_engine_answers_sglang_spans():
     assert done["meta_info"]["weight_version"] == "4" and "weight_version_spans" not in done["meta_info"]
     assert parse_generate(done, "e").spans() == [VersionSpan(0, 3), VersionSpan(2, 4)]
     # as in SGLang: a streamed chunk before the end has no spans and reports the engine's current version
-    chunk = embedded_request(3, [(0, "3"), (2, "4")], None).payload("5")["meta_info"]
+    chunk = embedded_answer(3, [(0, "3"), (2, "4")], None)["meta_info"]
     assert "weight_versions" not in chunk and chunk["weight_version"] == "5"
     # aborted while waiting: no output, one empty span of the current version
-    aborted = embedded_request(0, [], {"type": "abort", "message": "x"}).payload("5")["meta_info"]
+    aborted = embedded_answer(0, [], {"type": "abort", "message": "x"})["meta_info"]
     assert aborted["weight_versions"] == [{"version": "5", "start": 0, "end": 0}] and aborted["weight_version"] == "5"
 
 

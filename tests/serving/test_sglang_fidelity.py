@@ -18,18 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.serving import sglang_api as api
 from pipeline.serving.embedded import server as embedded_server
-from pipeline.serving.embedded.batcher import Req
 from pipeline.serving.launch import sglang_command
 from pipeline.serving.sglang_api import write_weight_versions
 from pipeline.serving.sglang_client import parse_generate
 from tests.helpers.ci import require
-from tests.helpers.sglang_record import record_client
+from tests.helpers.sglang_record import embedded_answer, record_client
 from tests.helpers.sglang_source import (
     Source,
     accepts,
@@ -137,8 +135,8 @@ def test_sglang_answers_what_the_client_reads(sglang):
     assert len(adds) >= 2  # finished answers and aborted ones
     entry = find_function(tm, "detokenize_logprob_tokens").body[0].body[0].value.elt  # type: ignore[attr-defined]
     assert ast.unparse(entry) == "(logprob, token_id, None)"
-    assert dict_keys(find_class(sglang.tree("srt/managers/schedule_batch.py"),
-                                                     "FINISH_MATCHED_TOKEN")) >= api.FINISH_REASON
+    matched = find_class(sglang.tree("srt/managers/schedule_batch.py"), "FINISH_MATCHED_TOKEN")
+    assert dict_keys(matched) >= api.FINISH_REASON
     kinds = {v.value for f in ast.walk(sglang.tree("srt/managers/schedule_batch.py"))
              if isinstance(f, ast.FunctionDef) and f.name == "to_json"
              for d in ast.walk(f) if isinstance(d, ast.Dict)
@@ -161,6 +159,9 @@ def test_the_span_structure_is_sglangs(sglang, contract):
 @pytest.fixture(scope="module")
 def span_code(sglang: Source) -> types.ModuleType:
     # its only sglang import serves pydantic schemas, which the functions called here never touch
+    imported = {a.name for n in sglang.tree(SPANS).body if isinstance(n, ast.ImportFrom)
+                and (n.module or "").startswith("sglang") for a in n.names}
+    assert imported == {"msgspec_struct_pydantic_core_schema"}, imported
     return sglang.module(SPANS, drop_sglang_imports=True)
 
 
@@ -229,14 +230,6 @@ def test_spans_from_sglangs_code_read_exactly_anywhere(span_code, data):
 
 
 # --------------------------------------------------------------------------------------- the embedded engine
-def embedded_answer(n: int, spans: list[tuple[int, str]], finish: dict | None) -> dict[str, Any]:
-    r = Req(rid="e", prompt=[1, 2], max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=-1, stop_ids=frozenset(),
-            ignore_eos=False, return_logprob=True, stream=True, generator=torch.Generator(),
-            deliver=lambda payload, final: None)
-    r.out_ids, r.logprobs, r.spans, r.finish = list(range(10, 10 + n)), [-1.0] * n, spans, finish
-    return r.payload("5")
-
-
 def test_the_embedded_engine_fits_sglangs_contract(sglang, contract):
     produced = keys_set_on(sglang.tree(TOKENIZER), "meta_info") | keys_set_on(sglang.tree(SPANS), "meta_info")
     for answer in (embedded_answer(5, [(0, "3"), (2, "4")], {"type": "stop", "matched": 14}),
