@@ -141,21 +141,18 @@ async def _child(
             log_path.unlink(missing_ok=True)
 
 
-@contextlib.asynccontextmanager
-async def launch_sglang(
+def sglang_command(
     model_path: str | Path,
     *,
-    host: str = "127.0.0.1",
-    port: int | None = None,
-    weight_version: str = "0",
+    host: str,
+    port: int,
+    weight_version: str,
     mem_fraction_static: float | None = None,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
-    timeout_s: float = 900.0,
-    log_path: Path | None = None,
-) -> AsyncIterator[HttpEngine]:
-    """Launch ``sglang.launch_server`` and yield a client once /health and /model_info answer."""
-    port = port or free_port(host)
+) -> list[str]:
+    """The ``sglang.launch_server`` command line (its flags are checked against SGLang's source in
+    tests/serving/test_sglang_fidelity.py)."""
     cmd = [
         python,
         "-m",
@@ -172,7 +169,26 @@ async def launch_sglang(
     ]
     if mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(mem_fraction_static)]
-    cmd += list(extra_args)
+    return cmd + list(extra_args)
+
+
+@contextlib.asynccontextmanager
+async def launch_sglang(
+    model_path: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    weight_version: str = "0",
+    mem_fraction_static: float | None = None,
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+    timeout_s: float = 900.0,
+    log_path: Path | None = None,
+) -> AsyncIterator[HttpEngine]:
+    """Launch ``sglang.launch_server`` and yield a client once /health and /model_info answer."""
+    port = port or free_port(host)
+    cmd = sglang_command(model_path, host=host, port=port, weight_version=weight_version,
+                         mem_fraction_static=mem_fraction_static, extra_args=extra_args, python=python)
 
     async def url_of(proc: subprocess.Popen, log_path: Path) -> str:
         return f"http://{host}:{port}"

@@ -3,7 +3,9 @@
 ``HttpEngine(base_url)`` sends ``/generate`` to ``base_url`` (a server or an sglang router) and control calls
 (weight updates, pause/continue) to every URL in ``control_urls`` (the workers behind a router; by default just
 ``base_url``). Responses are parsed defensively: ``meta_info`` keys drift between SGLang versions, so only
-``finish_reason`` and, when logprobs were asked for, ``output_token_logprobs`` are required.
+``finish_reason`` and, when logprobs were asked for, ``output_token_logprobs`` are required; ``weight_versions``
+(which version sampled which output tokens), when present, must be well formed. The keys sent and read are listed,
+and checked against SGLang's source, in :mod:`pipeline.serving.sglang_api`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pipeline.serving.engine import (
     EngineUnavailable,
     GenerateResult,
 )
+from pipeline.serving.sglang_api import FINISH_TYPES, read_weight_versions
 
 if TYPE_CHECKING:
     from typing import Self
@@ -91,16 +94,18 @@ def parse_generate(obj: Any, rid: str, *, require_finish: bool = True) -> Genera
         kind = None
     if kind is None and require_finish:
         raise EngineProtocolError(f"request {rid}: finished response without finish_reason")
-    if kind not in ("stop", "length", "abort", None):
+    if kind is not None and kind not in FINISH_TYPES:
         raise EngineProtocolError(f"request {rid}: unknown finish_reason type {kind!r}")
 
     version = meta.get("weight_version")
     version = "" if version is None else str(version)
-    spans_raw = meta.get("weight_version_spans")
-    if isinstance(spans_raw, list) and all(isinstance(s, (list, tuple)) and len(s) == 2 for s in spans_raw):
-        spans = [(int(s[0]), str(s[1])) for s in spans_raw]
+    if meta.get("weight_versions") is not None:
+        try:
+            spans = read_weight_versions(meta["weight_versions"], len(output_ids))
+        except ValueError as e:
+            raise EngineProtocolError(f"request {rid}: meta_info.weight_versions: {e}") from None
     else:
-        # SGLang records one version per request (updates wait for running requests unless paused in place).
+        # an unfinished streaming chunk, or an SGLang older than the spans: the whole output is one version's
         spans = [(0, version)] if output_ids and version else []
     prompt_tokens = meta.get("prompt_tokens")
     return GenerateResult(

@@ -355,6 +355,11 @@ def test_update_weights_mid_request_records_version_spans(engine):
     # the pause lands a few steps after the 5th chunk reached the client; the swap applies between two steps
     [(zero, v0), (switch, v1)] = res.version_spans
     assert (zero, v0, v1) == (0, start, "1") and 5 <= switch < 300 and res.weight_version == "1"
+    # on the wire exactly as SGLang 0.5.23 reports it: half-open [start, end) output token ranges
+    assert res.meta["weight_versions"] == [
+        {"version": start, "start": 0, "end": switch},
+        {"version": "1", "start": switch, "end": 300},
+    ]
     assert [sp.version for sp in res.spans()] == [int(start), 1]
     ref = reference(engine, prompt, res, 0.8)
     assert torch.allclose(torch.tensor(res.logprobs), ref, atol=1e-4, rtol=0)

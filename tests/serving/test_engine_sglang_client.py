@@ -31,6 +31,7 @@ DOC_STOP = {
         "weight_version": "step_17",
         "num_retractions": 0,
         "output_token_logprobs": [[-0.12, 785, None], [-1.31, 4226, None], [-0.01, 151645, None]],
+        "weight_versions": [{"version": "step_17", "start": 0, "end": 3}],
     },
 }
 
@@ -133,11 +134,13 @@ def test_documented_stop_response_and_request_shape():
 
 
 def test_length_and_abort_finishes_and_integer_versions():
-    length = with_meta(DOC_STOP, finish_reason={"type": "length", "length": 3}, weight_version="12")
+    length = with_meta(DOC_STOP, finish_reason={"type": "length", "length": 3}, weight_version="12",
+                       weight_versions=[{"version": "12", "start": 0, "end": 3}])
     abort = with_meta(
         DOC_STOP,
         finish_reason={"type": "abort", "message": "Abort before prefill"},
         weight_version="12",
+        weight_versions=[{"version": "12", "start": 0, "end": 0}],  # SGLang's span for an empty output
         output_token_logprobs=[],
         completion_tokens=0,
     )
@@ -251,7 +254,8 @@ def test_unfinished_chunks_parse_when_allowed():
                 "text": "",
                 "output_ids": DOC_STOP["output_ids"][:n],
                 "meta_info": {
-                    **meta,
+                    # as in SGLang, only the finished chunk carries the weight-version spans
+                    **{k: v for k, v in meta.items() if n == 3 or k != "weight_versions"},
                     "finish_reason": meta["finish_reason"] if n == 3 else None,
                     "output_token_logprobs": meta["output_token_logprobs"][:n],
                 },
@@ -260,6 +264,7 @@ def test_unfinished_chunks_parse_when_allowed():
 
     snaps = [parse_generate(c, "s", require_finish=False) for c in chunks]
     assert [s.output_ids for s in snaps] == [[785], [785, 4226], [785, 4226, 151645]]
+    assert [s.version_spans for s in snaps] == [[(0, "step_17")]] * 3
     assert [s.finished for s in snaps] == [False, False, True] and snaps[-1].matched_stop == 151645
     with pytest.raises(EngineProtocolError, match="without finish_reason"):
         parse_generate(chunks[0], "s")
@@ -297,13 +302,20 @@ def test_sampling_seed_is_sent_only_when_set():
         ]
     ),
     st.booleans(),
+    st.sets(st.integers(1, 29), max_size=4),
 )
-def test_parse_roundtrip(pairs, finish, with_ids):
+def test_parse_roundtrip(pairs, finish, with_ids, cuts):
+    """Random outputs, finishes and weight updates at random token indices (SGLang 0.5.23's span format)."""
+    n = len(pairs)
+    starts = [0, *sorted(c for c in cuts if c < n)]
+    ends = [*starts[1:], n]
     obj = {
         "meta_info": {
             "id": "x",
             "finish_reason": finish,
-            "weight_version": "3",
+            "weight_version": str(2 + len(starts)),
+            "weight_versions": [{"version": str(3 + i), "start": a, "end": b}
+                                for i, (a, b) in enumerate(zip(starts, ends, strict=True))],
             "output_token_logprobs": [[lp, t, None] for t, lp in pairs],
         }
     }
@@ -313,4 +325,5 @@ def test_parse_roundtrip(pairs, finish, with_ids):
     assert res.output_ids == [t for t, _ in pairs] and res.logprobs == [lp for _, lp in pairs]
     assert res.finish_reason == finish["type"]
     assert res.matched_stop == (finish["matched"] if isinstance(finish.get("matched"), int) else None)
-    assert res.version_spans == ([(0, "3")] if pairs else [])
+    assert res.version_spans == ([(s, str(3 + i)) for i, s in enumerate(starts)] if pairs else [])
+    assert res.spans() == ([VersionSpan(s, 3 + i) for i, s in enumerate(starts)] if pairs else [])

@@ -17,8 +17,9 @@ drawn from its own generator, so the same seed gives the same output whatever el
 
 Weight updates apply between decode steps without failing running requests. Running requests' KV caches are
 recomputed with the new weights, so every output token is sampled from exactly one version's distribution
-given the full context; ``meta_info["weight_version_spans"]`` lists ``[start_index, version]`` per version
-(``weight_version`` is the version of the last token).
+given the full context. The finished answer says which version sampled which tokens as SGLang 0.5.23 does:
+``meta_info["weight_versions"]`` is ``[{"version", "start", "end"}]`` over output token indices
+(:mod:`pipeline.serving.sglang_api`), and ``weight_version`` is the version of the last token.
 
 Reduced vocabulary (``bridle_vocab.json`` in the model folder, see :mod:`pipeline.models.small`): incoming Qwen
 ids are mapped to compact ids (unknown ones to the UNK slot), sampled ids are mapped back; the HTTP side only

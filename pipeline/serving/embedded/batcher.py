@@ -8,7 +8,8 @@ numbers do not depend on its neighbours beyond float rounding.
 
 A weight update applies between two steps: running requests' caches are recomputed with the new weights, so
 every output token is sampled from exactly one version's distribution given the full context, and each request
-records ``[start_index, version]`` spans of the versions that sampled its tokens.
+records where its tokens' version changed; its finished answer reports them as SGLang does, in
+``meta_info["weight_versions"]`` (format in :mod:`pipeline.serving.sglang_api`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from pipeline.core.logs import get_logger
 from pipeline.serving.embedded.runner import KV, ModelRunner
+from pipeline.serving.sglang_api import write_weight_versions
 
 log = get_logger(actor="embedded_engine")
 
@@ -49,23 +51,29 @@ class Req:
     out_model: list[int] = field(default_factory=list)
     out_ids: list[int] = field(default_factory=list)  # outside ids
     logprobs: list[float] = field(default_factory=list)
-    spans: list[list[Any]] = field(default_factory=list)  # [start index in out_ids, weight version]
+    spans: list[tuple[int, str]] = field(default_factory=list)  # (first index in out_ids, weight version)
     n_cached: int = 0  # tokens of this sequence in the KV cache; out_model[-1] is the pending one
     finish: dict[str, Any] | None = None
     t0: float = field(default_factory=time.monotonic)
 
     def payload(self, version: str) -> dict[str, Any]:
-        """The /generate answer so far, in SGLang's shape (``version``: the engine's, for an empty output)."""
+        """The /generate answer so far, in SGLang 0.5.23's shape (``version``: the engine's current one).
+
+        As in SGLang, only the finished answer has ``weight_versions``, and its ``weight_version`` is the version
+        of the last span (a chunk before that reports the engine's current version)."""
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": self.finish,
             "prompt_tokens": len(self.prompt),
             "completion_tokens": len(self.out_ids),
             "cached_tokens": 0,
-            "weight_version": self.spans[-1][1] if self.spans else version,
-            "weight_version_spans": [list(s) for s in self.spans],
+            "weight_version": version,
             "e2e_latency": time.monotonic() - self.t0,
         }
+        if self.finish is not None:
+            spans = write_weight_versions(self.spans, len(self.out_ids), version)
+            meta["weight_versions"] = spans
+            meta["weight_version"] = spans[-1]["version"]
         if self.return_logprob:
             # one logprob per output id: _sample appends both together
             pairs = zip(self.logprobs, self.out_ids, strict=True)
@@ -329,7 +337,7 @@ class Batcher:
             r.out_ids.append(outside)
             r.logprobs.append(lp)
             if not r.spans or r.spans[-1][1] != self.version:
-                r.spans.append([len(r.out_ids) - 1, self.version])
+                r.spans.append((len(r.out_ids) - 1, self.version))
             if outside in r.stop_ids or (not r.ignore_eos and outside in self.runner.eos_ids):
                 self._finish(r, {"type": "stop", "matched": outside})
             elif len(r.out_ids) >= r.max_new_tokens or r.n_cached + 1 >= self.runner.context_length:
