@@ -147,8 +147,10 @@ def compare(a: Path, b: Path) -> str:
         d = paired_difference(per[0], per[1])
         ea, eb = (r.row("overall", "all").pass_at[k] for r in (ra, rb))
         lines.append(f"| pass@{k} | {ea.text()} | {eb.text()} | {d.text()} (n={d.n}) |")
+    rewards = [p.mean_reward for p in [*ra.pairs, *rb.pairs]]
     mr = paired_difference({f"{p.task_id}|{p.harness}": p.mean_reward for p in ra.pairs},
-                           {f"{p.task_id}|{p.harness}": p.mean_reward for p in rb.pairs})
+                           {f"{p.task_id}|{p.harness}": p.mean_reward for p in rb.pairs},
+                           rates=all(0.0 <= r <= 1.0 for r in rewards))
     lines.append(f"| mean reward | {ra.row('overall', 'all').mean_reward.text()} | "
                  f"{rb.row('overall', 'all').mean_reward.text()} | {mr.text()} (n={mr.n}) |")
     return "\n".join(lines)

@@ -111,7 +111,19 @@ def mean_ci(values: Sequence[float], *, lo: float | None = 0.0, hi: float | None
     return Estimate(mean=m, low=low, high=high, se=se, n=t)
 
 
-def paired_difference(a: dict[str, float], b: dict[str, float]) -> Estimate:
-    """``a - b`` over the tasks both scored, with the interval of the per-task differences."""
+def paired_difference(a: dict[str, float], b: dict[str, float], *, rates: bool = True) -> Estimate:
+    """``a - b`` over the tasks both scored, with the interval of the per-task differences.
+
+    When every task's difference is the same (often: both policies scored 0 everywhere) their spread is 0 and the
+    normal interval would claim certainty; for rates the interval is then Newcombe's hybrid score interval for a
+    difference of two proportions over the same number of tasks (which ignores the pairing: conservative)."""
     common = sorted(a.keys() & b.keys())
-    return mean_ci([a[t] - b[t] for t in common], lo=None, hi=None)
+    est = mean_ci([a[t] - b[t] for t in common], lo=None, hi=None)
+    if not rates or est.se is None or est.se > 0 or est.mean is None:
+        return est
+    n = len(common)
+    pa, pb = (min(1.0, max(0.0, sum(x[t] for t in common) / n)) for x in (a, b))
+    (la, ua), (lb, ub) = wilson(pa, n), wilson(pb, n)
+    d = pa - pb
+    return Estimate(mean=est.mean, low=d - math.hypot(pa - la, ub - pb), high=d + math.hypot(ua - pa, pb - lb),
+                    se=est.se, n=n)

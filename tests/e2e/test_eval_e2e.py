@@ -30,10 +30,10 @@ def held_out_count(evaluated: Path, *training: Path) -> int:
 
 def test_sft_policy_beats_the_random_init_on_held_out_tasks(tmp_path):
     model = tmp_path / "model"
-    common = sets(f'run.model="{model}"', 'monitor.display="off"', "experiment.build_model.tasks=60")
-    # the cold start alone: 128 demonstrations, SFT, then no RL step
+    common = sets(f'run.model="{model}"', 'monitor.display="off"')
+    # the cold start alone, as the quickstart has it: 128 demonstrations, 10 SFT epochs, then no RL step
     r = run("--experiment", "quickstart", "--run-dir", str(tmp_path / "sft"), "--no-watch", *common,
-            *sets("run.steps=0", "learner.sft_epochs=6"))
+            *sets("run.steps=0"))
     assert r.returncode == 0, r.stderr[-3000:]
     ev = sets("eval.tasks.count=12", "eval.samples=2")
     a = run("--eval", "--experiment", "quickstart", "--checkpoint", str(tmp_path / "sft"),
@@ -67,7 +67,9 @@ def test_sft_policy_beats_the_random_init_on_held_out_tasks(tmp_path):
     line = next(ln for ln in c.stdout.splitlines() if ln.startswith("| pass@1 "))
     diff = line.split("|")[4].strip()
     mean = float(diff.split()[0])
-    assert mean > 0, c.stdout  # the demonstrations taught the task format; the random init never completes one
+    # the demonstrations taught the task (the quickstart's SFT policy scores ~0.2-0.3 on its distribution); the
+    # random init never completes one
+    assert mean > 0, c.stdout
     assert "[" in diff  # an interval, from 12 pairs
 
     # the behavioural metrics were measured from the recorded traces

@@ -62,7 +62,7 @@ def test_no_spread_is_not_certainty():
     assert zero.low == 0.0 and zero.high == pytest.approx(Z95**2 / (4 + Z95**2))  # Wilson: 0 of 4
     assert mean_ci([1.0] * 4).low == pytest.approx(4 / (4 + Z95**2))
     assert mean_ci([0.0] * 400).high < 0.01  # many tasks: tight
-    assert paired_difference({"a": 0.5, "b": 0.5}, {"a": 0.5, "b": 0.5}).high == 0.0  # unbounded: no Wilson
+    assert paired_difference({"a": 0.5, "b": 0.5}, {"a": 0.5, "b": 0.5}, rates=False).high == 0.0  # unbounded
 
 
 def test_no_interval_is_reported_as_missing_not_as_zero_width():
@@ -76,4 +76,8 @@ def test_paired_difference_uses_common_tasks_only():
     b = {"t1": 0.5, "t2": 0.0, "t4": 0.0}
     d = paired_difference(a, b)
     assert d.n == 2 and d.mean == pytest.approx(0.5) and d.se == 0.0
-    assert d.low == pytest.approx(0.5)  # identical differences: no spread
+    # identical differences: no spread, so the interval is Newcombe's for 1.0 vs 0.5 and 0.25 vs 0 over 2 tasks
+    assert d.low < 0.5 < d.high and d.low > -1 and d.high <= 1.5
+    zero = paired_difference({"a": 0.0, "b": 0.0}, {"a": 0.0, "b": 0.0})
+    assert zero.mean == 0 and zero.low < 0 < zero.high  # both scored 0 everywhere: not a certain 0
+    assert paired_difference({"a": 1.0, "b": 1.0}, {"a": 0.0, "b": 0.0}, rates=False).low == 1.0
