@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ActorCrashed as e:
+        if isinstance(e.error, cfg.ConfigError):  # found when the actor started (e.g. the proxy's template check)
+            print(f"error: {e.error}", file=sys.stderr)
+            return 2
         logs.get_logger(actor="run").error("run stopped: actor crashed", actor=e.actor, error=str(e.error))
         return 1
     except Interrupted as e:

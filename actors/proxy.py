@@ -10,18 +10,20 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio
 import msgspec
 
-from pipeline.core.config import NonNegFloat, NonNegInt, Port, PosFloat, PosInt, Section
+from pipeline.core.config import ConfigError, NonNegFloat, NonNegInt, Port, PosFloat, PosInt, Section
 from pipeline.core.runfiles import remove_prefixed, run_tag, safe_name
 from pipeline.core.runtime import Actor, on_emergency
 from pipeline.messages import Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
 from pipeline.serving.factory import EngineSettings, open_engine, open_renderer
 from pipeline.serving.proxy import Proxy, ProxySettings
 from pipeline.serving.watchdog import watch_engine
+from pipeline.tokens.render import Renderer
+from pipeline.tokens.template_check import TemplateMismatch, startup_check
 
 
 class ProxyActorSettings(Section):
@@ -38,12 +40,13 @@ class ProxyActorSettings(Section):
     subagent_model: str = "policy-subagent"
     update_timeout_s: PosFloat = 600.0
     engine_retries: NonNegInt = 1  # a failed engine call is asked again this often before the harness is told
+    # before serving: is turn-by-turn rendering with splicing the template's own rendering (docs/tokens.md)?
+    # "error" refuses to start on a mismatch, "warn" logs it and serves, "off" skips the check
+    template_check: Literal["error", "warn", "off"] = "error"
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     reloadable = frozenset({"keepalive_s", "update_timeout_s"})
 
     def check(self, name: str, exp: Any) -> None:
-        from pipeline.core.config import ConfigError
-
         if self.engine.model:
             raise ConfigError(f"{exp.source}: [{name}.engine].model moved to [run].model (the policy the engine "
                               "serves is the one the learner trains); set it there")
@@ -77,6 +80,7 @@ class ProxyActor(Actor[ProxyActorSettings]):
     async def run(self) -> None:
         engine_settings = msgspec.structs.replace(self.config.engine, model=self.ctx.run.model)
         renderer = open_renderer(engine_settings)
+        self._check_template(renderer)
         async with open_engine(engine_settings, renderer, run_dir=self.run_dir) as engine:
             self.proxy = Proxy(engine, renderer, self._emit, self.settings())
             self.proxy.policy_version = self.config.engine.weight_version
@@ -96,6 +100,19 @@ class ProxyActor(Actor[ProxyActorSettings]):
                 if self._socket_dir:
                     shutil.rmtree(self._socket_dir, ignore_errors=True)
                 unregister()
+
+    def _check_template(self, renderer: Renderer) -> None:
+        """Refuse a template the splicer cannot serve faithfully, before an engine is started for it."""
+        try:
+            startup_check(renderer, self.config.template_check)
+        except TemplateMismatch as e:
+            raise ConfigError(
+                f"[{self.name}.engine].renderer = {self.config.engine.renderer!r}: the chat template failed the "
+                "start-up check (turn-by-turn rendering with splicing, what the proxy serves, against the template's "
+                "own whole rendering and tool-call format; docs/tokens.md). Fix the template or "
+                f'[{self.name}.engine].tool_format, or set [{self.name}].template_check = "warn" to serve it anyway.'
+                f"\n{e}"
+            ) from None
 
     async def _serve(self, engine: Any) -> None:
         assert self.proxy is not None

@@ -349,7 +349,11 @@ class Supervisor:
         except Exception as e:
             cause = _root_cause(e)
             reason, error = "crashed", f"{type(cause).__name__}: {cause}"
-            actor.log.exception("actor crashed; stopping the graph", error=error)
+            if isinstance(cause, cfg.ConfigError):  # phrased for the user (run.py prints it whole): no traceback
+                first, _, more = str(cause).partition("\n")
+                actor.log.error("actor refused its configuration; stopping the graph", error=first + (" …" if more else ""))
+            else:
+                actor.log.exception("actor crashed; stopping the graph", error=error)
             if self.crash is None:
                 self.crash = ActorCrashed(actor.name, cause)
             tg.cancel_scope.cancel()

@@ -30,6 +30,9 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     url: str = ""  # sglang: attach to a running server or router instead of launching one
     worker_urls: list[str] = msgspec.field(default_factory=list)  # with a router: workers get weight updates
     renderer: str = "qwen3"  # "qwen3" (built-in, offline) or a folder with a HF tokenizer + chat template
+    # how the model writes tool calls: "auto" (from the renderer folder's chat template / config.json) or a name in
+    # pipeline/tokens/toolparse.py FORMATS ("hermes", "llama3_json", "mistral")
+    tool_format: str = "auto"
     enable_thinking: bool = False
     weight_version: int = 0  # the policy version the engine starts with (sent as a string)
     max_running_requests: int = 32  # embedded
@@ -49,7 +52,7 @@ def resolve_path(p: str) -> Path:
 
 def open_renderer(s: EngineSettings) -> Renderer:
     """The chat template and tokenizer that turn harness requests into the engine's token ids."""
-    return load_renderer(s.renderer, enable_thinking=s.enable_thinking)
+    return load_renderer(s.renderer, enable_thinking=s.enable_thinking, tool_format=s.tool_format)
 
 
 @contextlib.asynccontextmanager

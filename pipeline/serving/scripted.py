@@ -16,7 +16,7 @@ Script file (JSON or TOML), responses in a neutral form::
 
 The n-th call of a rollout gets its n-th response (a retry advances the script too, as a sampling policy would
 produce a new answer). Each response is rendered with the chat template exactly as the model would have produced
-it after the generation prompt, end-of-turn token included, so the proxy parses, answers and records real ids.
+it after the generation prompt, end-of-turn token included (in the model's own tool-call format), so the proxy parses, answers and records real ids.
 Log-probabilities are 0 (a deterministic policy). The rollout is read from the request id the proxy sends,
 ``<rollout_id>|<call_id>``.
 
@@ -90,8 +90,6 @@ class ScriptedEngine:
     def __init__(
         self, renderer: Renderer, script: Script, *, weight_version: int = 0, context_length: int = 1 << 20
     ):
-        if not hasattr(renderer, "assistant_body"):
-            raise TypeError("the scripted engine needs a renderer with assistant_body (e.g. the Qwen3 renderer)")
         self.renderer = renderer
         self.script = script
         self.version = weight_version
@@ -120,10 +118,7 @@ class ScriptedEngine:
             role="assistant", content=r.text, thinking=r.thinking,
             tool_calls=[ToolCall(name=c.name, arguments=c.arguments) for c in r.tool_calls],
         )
-        body = self.renderer.assistant_body(msg, None)  # type: ignore[attr-defined]
-        head = "<|im_start|>assistant\n"
-        assert body.startswith(head), body[:40]
-        return self.renderer.tokenizer.encode(body[len(head):])
+        return self.renderer.tokenizer.encode(self.renderer.turn_text(msg))
 
     async def generate(
         self, input_ids: Sequence[int], sampling: EngineSampling, *, rid: str | None = None

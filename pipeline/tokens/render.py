@@ -30,7 +30,14 @@ import numpy as np
 
 from pipeline.tokens.conversation import Conversation, Message, Tool
 from pipeline.tokens.tokenizer import HFTokenizer, Tokenizer
-from pipeline.tokens.toolparse import ParsedOutput, parse_output, split_thinking
+from pipeline.tokens.toolparse import (
+    HERMES,
+    ParsedOutput,
+    ToolFormat,
+    detect_tool_format,
+    split_thinking,
+    tool_format,
+)
 
 _json = msgspec.json.Encoder()
 
@@ -90,6 +97,7 @@ class Renderer:
 
     tokenizer: Tokenizer
     generation_prompt: str = ""
+    tool_format: ToolFormat = HERMES  # how the model writes tool calls (pipeline/tokens/toolparse.py)
     # render_text and the tokenizer may run in worker threads, several at once (the proxy renders big requests off
     # its event loop); False keeps every render on the caller's thread
     thread_safe: bool = False
@@ -122,11 +130,16 @@ class Renderer:
         return cached
 
     def parse(self, output_ids: Any) -> ParsedOutput:
-        """Decode an engine output (stop token included or not) and parse it."""
+        """Decode an engine output (stop token included or not) and parse it in the model's tool-call format."""
         ids = [int(i) for i in output_ids]
         while ids and ids[-1] in self.stop_ids:
             ids.pop()
-        return parse_output(self.tokenizer.decode(ids))
+        return self.tool_format.parse(self.tokenizer.decode(ids))
+
+    def turn_text(self, m: Message) -> str:
+        """The text a model of this template writes for assistant message ``m`` after the generation prompt,
+        end-of-turn token included (what the scripted engine plays)."""
+        raise NotImplementedError
 
 
 class Qwen3Renderer(Renderer):
@@ -186,6 +199,10 @@ class Qwen3Renderer(Renderer):
             )
             out += '<tool_call>\n{"name": "' + c.name + '", "arguments": ' + args + "}\n</tool_call>"
         return out + self.eot
+
+    def turn_text(self, m: Message) -> str:
+        body = self.assistant_body(m, None)
+        return body[len("<|im_start|>assistant\n") :]
 
     def _head(self, conv: Conversation) -> tuple[str, int]:
         """The system turn (the tools header when there are tools) and the index of the first message after it."""
@@ -259,6 +276,7 @@ class HFTemplateRenderer(Renderer):
         *,
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        tool_format: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template or tokenizer.chat_template
@@ -279,6 +297,10 @@ class HFTemplateRenderer(Renderer):
                 "bridle cannot splice with this template"
             )
         self.generation_prompt = with_gen[len(without) :]
+        self.tool_format_reason = "set explicitly"
+        if tool_format == "auto":
+            tool_format, self.tool_format_reason = detect_tool_format(self.chat_template, _model_config(tokenizer))
+        self.tool_format = _tool_format(tool_format)
 
     def _apply(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], gen: bool) -> str:
         # a request that extends the previous one needs the previous rendering again (its prefix, the span of its
@@ -315,6 +337,18 @@ class HFTemplateRenderer(Renderer):
             if m.name:
                 d["name"] = m.name
         return d
+
+    def turn_text(self, m: Message) -> str:
+        calls = [c if c.id else msgspec.structs.replace(c, id=self.tool_format.call_id() or f"call_{k}")
+                 for k, c in enumerate(m.tool_calls)]
+        msg = msgspec.structs.replace(m, tool_calls=calls)
+        r = self.render_text(Conversation(messages=[Message(role="user", content="x"), msg]),
+                             add_generation_prompt=False)
+        span = next((t for t in r.turns if t.message == 1), None) if r is not None else None
+        text = r.text[span.start : span.end] if r is not None and span is not None else ""
+        if span is None or not text.startswith(self.generation_prompt):
+            raise ValueError(f"{self.tokenizer.name}: the chat template writes no clean assistant turn for {m}")
+        return text[len(self.generation_prompt) :]
 
     def render_text(
         self, conv: Conversation, *, start: int = 0, add_generation_prompt: bool = True, causal: bool = True
@@ -354,10 +388,32 @@ def qwen3_renderer(*, enable_thinking: bool = True) -> Qwen3Renderer:
     return Qwen3Renderer(QwenTokenizer(), enable_thinking=enable_thinking)
 
 
-def load_renderer(model: str, *, enable_thinking: bool = True) -> Renderer:
+def _tool_format(name: str) -> ToolFormat:
+    try:
+        return tool_format(name)
+    except ValueError as e:
+        raise ValueError(f"tool_format: {e}") from None
+
+
+def _model_config(tokenizer: HFTokenizer) -> dict[str, Any]:
+    """The folder's config.json (model_type, architectures), {} when absent or unreadable."""
+    try:
+        cfg = json.loads((tokenizer.folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def load_renderer(model: str, *, enable_thinking: bool = True, tool_format: str = "auto") -> Renderer:
     """``"qwen3"`` -> built-in Qwen3 renderer; a local folder -> its HF template (Qwen3-family folders whose
-    template renders like ours also get the HF path; pick ``"qwen3"`` for the fast Python renderer)."""
+    template renders like ours also get the HF path; pick ``"qwen3"`` for the fast Python renderer).
+
+    ``tool_format``: how the model writes tool calls (a name in :data:`pipeline.tokens.toolparse.FORMATS`);
+    ``"auto"`` detects it from the folder's chat template and config.json."""
     if model.lower() in ("qwen", "qwen3", "qwen2.5", "builtin:qwen"):
-        return qwen3_renderer(enable_thinking=enable_thinking)
+        r: Renderer = qwen3_renderer(enable_thinking=enable_thinking)
+        if tool_format != "auto":
+            r.tool_format = _tool_format(tool_format)
+        return r
     kwargs = {} if enable_thinking else {"enable_thinking": False}
-    return HFTemplateRenderer(HFTokenizer(model), template_kwargs=kwargs)
+    return HFTemplateRenderer(HFTokenizer(model), template_kwargs=kwargs, tool_format=tool_format)

@@ -8,7 +8,7 @@ of the turn's rendered text; everything else is rendered by the chat template.
     splicer = Splicer(renderer)
     res = splicer.render(conv)                       # RenderResult: ids, spliced_turns, rendered_turns, ...
     out = engine.generate(res.ids, stop=splicer.stop_ids)
-    parsed = renderer.parse(out)                     # or parse_output(tokenizer.decode(out))
+    parsed = renderer.parse(out)                     # in the model's tool-call format (toolparse.py)
     splicer.record(parsed, out)
 
 A spliced turn is ``generation prompt ids + sampled ids`` (which end with the end-of-turn token the engine

@@ -332,7 +332,8 @@ class HFTokenizer(Tokenizer):
                 f"{path}: tokenizer has no eos_token; pass eot_text= (the token that ends a turn)"
             )
         stops = []
-        for tok in (self.eot_text, eos, "<|endoftext|>", "<|eot_id|>", "<|im_end|>"):
+        # <|eom_id|>: Llama 3.x ends a turn with a built-in tool call (<|python_tag|>) with it
+        for tok in (self.eot_text, eos, "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>"):
             tid = self.token_id(tok) if isinstance(tok, str) else None
             if tid is not None and tid not in stops and tok in self.hf.all_special_tokens + [self.eot_text]:
                 stops.append(tid)

@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 from pipeline.tokens.conversation import Conversation, Message, Tool, ToolCall
 from pipeline.tokens.render import HFTemplateRenderer, Qwen3Renderer, qwen3_renderer
 from pipeline.tokens.splice import Splicer, canonical_args, turn_key
-from pipeline.tokens.template_check import Divergence, check_template, sample_conversations, startup_check
+from pipeline.tokens.template_check import (
+    Divergence,
+    TemplateMismatch,
+    check_template,
+    sample_conversations,
+    startup_check,
+)
 from pipeline.tokens.tokenizer import HFTokenizer, qwen_hf_folder
 
 IM_END, NL = 151645, 198
@@ -336,7 +342,8 @@ def test_template_check_reports_qwen3_thinking_drop(qwen):
     # Qwen3's template drops the (empty) think block of turns before the last user message when rendering whole;
     # the spliced, incremental form keeps what the model produced. The check must name that exact difference.
     report = check_template(qwen, sample_conversations()[1:])
-    assert [d.kind for d in report.divergences] == ["whole"]
+    assert [d.kind for d in report.divergences] == ["thinking"]
+    assert report.ok  # accepted: bridle keeps what the model saw (docs/tokens.md)
     d = report.divergences[0]
     assert d.expected_tokens[3:6] == ["Hello", "!", " How"]
     assert d.got_tokens[3:7] == ["<think>", "\n\n", "</think>", "\n\n"]
@@ -347,13 +354,17 @@ def test_hf_template_check_agrees():
     assert report.ok, report.describe()
 
 
-def test_startup_check_never_raises():
+def test_startup_check_reports_a_raising_template():
     broken = HFTemplateRenderer(
         HFTokenizer(qwen_hf_folder()),
         chat_template="{% for m in messages %}{% if m.role == 'assistant' %}{{ raise_exception('no') }}{% endif %}"
         "{{ m.content }}<|im_end|>{% endfor %}{% if add_generation_prompt %}A:{% endif %}",
     )
-    report = startup_check(broken)
-    assert not report.ok and report.divergences[0].kind == "error"
+    report = startup_check(broken, "warn")
+    assert report is not None and not report.ok and report.divergences[0].kind == "error"
+    assert "the template raised" in report.divergences[0].detail
     assert isinstance(msgspec.json.encode(report), bytes)
     assert isinstance(report.divergences[0], Divergence)
+    with pytest.raises(TemplateMismatch, match="no"):
+        startup_check(broken, "error")
+    assert startup_check(broken, "off") is None
