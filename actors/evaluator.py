@@ -3,7 +3,7 @@ training, collects their settled rollouts and reports pass@k, pass^k and behavio
 
 Standalone (``run.py --eval``, ``[eval].standalone``): one round of the served policy, then it returns. During
 training (``every_steps = N``): a round after the cold start, after every N-th RL step and after the last one;
-with ``every_steps = 0`` it returns at once (pipeline.eval.plan.Rounds decides)."""
+with ``every_steps = 0`` none, until a hot reload sets it (pipeline.eval.plan.Rounds decides)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ class Evaluator(Actor[EvalSettings]):
             if isinstance(msg, PolicyUpdated):
                 if self.rounds.updated(msg.step, msg.version):
                     await self._start()
+                elif self.rounds.complete:
+                    return
             elif isinstance(msg, SettledRollout):
                 done = self.rounds.settled(msg)
                 if done is not None:

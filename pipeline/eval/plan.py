@@ -199,8 +199,8 @@ def plan_round(step: int, tasks: list[Task], s: EvalSettings, version: int = 0) 
 class Rounds:
     """Which policy is evaluated when. Standalone (``run.py --eval``): one round of the served policy, at once.
     During training: with ``every_steps = N``, a round after the cold start (the learner's step-0 update), after
-    every N-th RL step and after the last step; with ``every_steps = 0``, none. One round at a time; later ones
-    wait. Pure bookkeeping: the actor feeds it and sends."""
+    every N-th RL step and after the last step; with ``every_steps = 0`` none (a hot reload can turn them on). One
+    round at a time; later ones wait. Pure bookkeeping: the actor feeds it and sends."""
 
     settings: EvalSettings
     steps: int  # the run's RL steps
@@ -208,15 +208,14 @@ class Rounds:
     waiting: list[tuple[int, int]] = field(default_factory=list)  # (step, version)
     complete: bool = False
 
-    def __post_init__(self) -> None:
-        self.complete = not self.settings.standalone and not self.settings.every_steps
-
     def updated(self, step: int, version: int) -> bool:
         """The learner published the policy of ``step``; True when it is to be evaluated."""
         every = self.settings.every_steps
         if every and (step % every == 0 or step >= self.steps):
             self.waiting.append((step, version))
             return True
+        if step >= self.steps and self.current is None and not self.waiting:
+            self.complete = True  # the last step, nothing (more) to evaluate
         return False
 
     def start(self, tasks: list[Task]) -> Round | None:

@@ -110,7 +110,7 @@ def _row(scope: Literal["overall", "column", "harness", "family"], key: str, gro
     counts = [(len(ps), sum(_success(s, threshold) for s in ps)) for ps in pairs.values()]
     return Row(
         scope=scope, key=key, pairs=len(pairs), rollouts=sum(n for n, _ in counts), excluded=excluded,
-        mean_reward=mean_ci(rewards, lo=None, hi=None),
+        mean_reward=mean_ci(rewards) if all(0.0 <= r <= 1.0 for r in rewards) else mean_ci(rewards, lo=None, hi=None),
         pass_at={k: mean_ci([pass_at_k(n, c, k) for n, c in counts if n >= k]) for k in sorted(set(ks))},
         pass_hat={k: mean_ci([pass_hat_k(n, c, k) for n, c in counts if n >= k]) for k in sorted(set(ks))},
     )

@@ -160,7 +160,7 @@ def test_usage_errors(args):
 SHORT = [  # the quickstart cut to seconds: a small model, 8 demonstrations, one RL step of 2 groups of 2
     "experiment.build_model.tasks=20", "scheduler.sft_groups=8", "tree.sft_pack=4", "learner.sft_epochs=1",
     "run.steps=1", "run.groups_per_step=2", "scheduler.group_size=2", "scheduler.tasks.count=10",
-    'monitor.display="off"',
+    'monitor.display="off"', "eval.tasks.count=3", "eval.samples=2",
 ]
 
 
@@ -177,8 +177,9 @@ def test_every_help_example_runs(tmp_path):
 
     def sub(cmd: str) -> list[str]:
         args = cmd.split()[2:]  # drop "python run.py"
-        return [str(run_dir) if a == "RUN_DIR" else str(run_dir / "events.msgpack") if a == "LOG" else a
-                for a in args]
+        names = {"RUN_DIR": run_dir, "LOG": run_dir / "events.msgpack", "EVAL_A": tmp_path / "eval-a",
+                 "EVAL_B": tmp_path / "eval-b"}
+        return [str(names[a]) if a in names else a for a in args]
 
     def call(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run(RUN + args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
@@ -199,6 +200,10 @@ def test_every_help_example_runs(tmp_path):
             assert "openai_base_url" in json.loads(line), line
             seen.add(cmd)
             continue
+        elif args[0] == "--eval":  # the first evaluates RUN_DIR's policy (EVAL_A), the second the base (EVAL_B)
+            out = tmp_path / ("eval-a" if "--checkpoint" in args else "eval-b")
+            r = call(args + ["--run-dir", str(out), *short])
+            assert r.returncode == 0 and "| overall | all |" in r.stdout, r.stderr[-3000:]
         elif args[0] == "--build-images":
             require(docker_available(), "no Docker engine for --build-images")
             r = call(args, timeout=1800)

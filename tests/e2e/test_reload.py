@@ -25,6 +25,7 @@ from structlog.testing import capture_logs
 
 import actors
 from actors.collector import Collector, CollectorSettings
+from actors.evaluator import Evaluator
 from actors.learner import LearnerActor, LearnerSettings
 from actors.monitor import Monitor, MonitorConfig
 from actors.proxy import ProxyActor, ProxyActorSettings
@@ -35,6 +36,7 @@ from actors.tree import TreeBuilder, TreeSettings
 from pipeline.core import logs
 from pipeline.core.config import RunSection
 from pipeline.core.runtime import Actor, ActorContext
+from pipeline.eval.plan import EvalSettings
 from pipeline.messages import (
     CallStarted,
     Metric,
@@ -234,6 +236,8 @@ async def test_proxy_keepalive_applies_to_the_next_call_and_update_timeout_to_th
 class FakeBackend:
     """Holds every rollout until released; counts how many run at once. The pool's limiter is what is tested."""
 
+    judge = None  # the pool closes a backend's judge client, if it has one
+
     def __init__(self) -> None:
         self.active = 0
         self.release = anyio.Event()
@@ -409,6 +413,28 @@ async def test_toy_actors_interval_factor_and_delay_apply_to_the_next_note(tmp_p
             for i in range(1, 21):
                 await lv.inbox.send(Note(seq=i, value=float(i)))
     assert len((tmp_path / "sink.jsonl").read_text().splitlines()) == 21
+
+
+@reloads(Evaluator, "every_steps", "max_groups_in_flight")
+async def test_evaluator_rounds_and_their_pace_apply_from_the_next_update(tmp_path):
+    c = EvalSettings(tasks=TaskSource(tasks="builtin:create_file", count=3, seed=77), harnesses=["codex"],
+                     samples=1, every_steps=0, max_groups_in_flight=1)
+    actor = Evaluator("eval", c, ActorContext(run_dir=tmp_path, run=RunSection(steps=4, groups_per_step=1)))
+    async with live(actor) as lv:
+        await lv.inbox.send(PolicyUpdated(version=1, step=1))
+        await anyio.sleep(0.3)
+        assert lv.sent["requests"] == []  # every_steps = 0: no round during training
+        c, kw = changed(c, every_steps=2)
+        await actor.on_config(c, kw)
+        await lv.inbox.send(PolicyUpdated(version=2, step=2))
+        (first,) = await lv.wait_for("requests", 1)  # one group in flight at a time
+        assert first.purpose == "eval" and first.eval.step == 2 and first.policy_version == 2
+        await anyio.sleep(0.2)
+        assert len(lv.sent["requests"]) == 1
+        c, kw = changed(c, max_groups_in_flight=3)
+        await actor.on_config(c, kw)
+        reqs = await lv.wait_for("requests", 3)  # the raised bound lets the other two groups out at once
+        assert len({r.group_id for r in reqs}) == 3
 
 
 def test_every_reloadable_field_is_covered_here():

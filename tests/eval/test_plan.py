@@ -107,7 +107,9 @@ def test_rounds_standalone_and_during_training(tmp_path):
     from pipeline.eval.plan import Rounds
 
     tasks = generate_to(tmp_path / "t", "create_word", 2, seed=5)
-    assert Rounds(EvalSettings(harnesses=["codex"]), steps=30).complete  # training without periodic eval
+    quiet = Rounds(EvalSettings(harnesses=["codex"]), steps=30)  # training without periodic eval
+    assert not quiet.updated(0, 1) and quiet.start(tasks) is None and not quiet.complete
+    assert not quiet.updated(30, 31) and quiet.complete  # the last step: nothing more to evaluate
     alone = Rounds(EvalSettings(harnesses=["codex"], samples=1, every_steps=3, standalone=True), steps=30)
     rnd = alone.start(tasks)
     assert rnd.step == -1 and alone.start(tasks) is None  # one at a time
