@@ -114,3 +114,18 @@ def test_scaling_run_evaluates_held_out_configurations_periodically(tmp_path):
     assert [r["step"] for r in out["rounds"]] == [0, 1, 2]
     assert out["training"] and all(b["calls"] > 0 for b in out["training"].values())
     assert all(h.startswith("whitebox:") for h in out["training"])
+
+
+def test_standalone_eval_of_the_published_sets_prints_in_space_and_held_out(tmp_path):
+    r = run("--eval", "--experiment", "scaling", "--run-dir", str(tmp_path / "ev"), *sets(
+        f'run.model="{tmp_path / "model"}"', 'monitor.display="off"', "experiment.build_model.tasks=40",
+        "eval.tasks.count=3", "eval.configs_per_column=2", "eval.samples=1", "eval.ks=[1]"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {ln.split("|")[2].strip(): ln for ln in r.stdout.splitlines() if ln.startswith("| column |")}
+    assert set(rows) == {"in-space", "held-out"}, r.stdout
+    rep = json.loads((tmp_path / "ev" / "eval" / "report.json").read_text())
+    harnesses = {row["key"] for row in rep["rows"] if row["scope"] == "harness"}
+    from pipeline.rollout.harness_space import PUBLISHED_HELD_OUT, PUBLISHED_TRAINING
+
+    names = {h.removeprefix("whitebox:") for h in harnesses}
+    assert len(names & set(PUBLISHED_TRAINING)) == 2 and len(names & set(PUBLISHED_HELD_OUT)) == 2
