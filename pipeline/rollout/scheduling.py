@@ -27,7 +27,9 @@ import msgspec
 
 from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt, Section
 from pipeline.messages import RolloutRequest, SamplingParams
-from pipeline.rollout.harness_space import HarnessConfig, locality_assignment, tool_name_for, training_configs
+from pipeline.rollout import demonstrations
+from pipeline.rollout.harness_space import locality_assignment, training_configs
+from pipeline.rollout.harnesses import HARNESSES, harness_for
 from pipeline.rollout.tasks import Task, load_task_dir
 
 Purpose = Literal["train", "eval", "sft"]
@@ -167,18 +169,16 @@ class Planner:
 
 
 def oracle_script(task: Task, harness: str, final_text: str = "Done.") -> list[dict[str, Any]]:
-    """The task's oracle as scripted responses for ``harness`` (white-box only: tool names follow its T level)."""
+    """The task's oracle as scripted responses for ``harness``: its neutral actions in the harness's own tools
+    (the adapter's ``demo_tools``; pipeline/rollout/demonstrations.py), then ``final_text``."""
     if not task.oracle_actions:
         raise ValueError(f"task {task.id}: no oracle actions (solution/actions.json); cannot script a demonstration")
-    name, _, variant = harness.partition(":")
-    if name != "whitebox":
-        raise ValueError(f"oracle demonstrations are scripted for the white-box harness only, not {harness!r}")
-    cfg = HarnessConfig.parse(variant or "S0T0O0C0W0")
-    out: list[dict[str, Any]] = [
-        {"tool_calls": [{"name": tool_name_for(cfg, a.tool), "arguments": dict(a.args)}]} for a in task.oracle_actions
-    ]
-    out.append({"text": final_text})
-    return out
+    adapter, variant = harness_for(harness)
+    if adapter.demo_tools is None:
+        playable = [h.name for h in HARNESSES.values() if h.demo_tools is not None]
+        raise ValueError(f"harness {harness!r} cannot play oracle demonstrations; these can: {', '.join(playable)}")
+    actions = [(a.tool, a.args) for a in task.oracle_actions]
+    return demonstrations.script(adapter.demo_tools(variant), actions, final_text)
 
 
 def may_issue(j: int, steps_done: int, groups_per_step: int, max_staleness: int) -> bool:

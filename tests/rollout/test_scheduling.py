@@ -56,8 +56,8 @@ def test_oracle_script_follows_the_tool_interface(tasks):
     assert s2[0]["tool_calls"][0]["name"] != "write_file"  # opaque id under T2
     assert s0[0]["tool_calls"][0]["arguments"] == s2[0]["tool_calls"][0]["arguments"]
     assert s0[-1] == {"text": "Done."}
-    with pytest.raises(ValueError, match="white-box harness only"):
-        oracle_script(t, "codex")
+    with pytest.raises(ValueError, match="cannot play oracle demonstrations"):
+        oracle_script(t, "oracle")
 
 
 def test_staleness_bound():
