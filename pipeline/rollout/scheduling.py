@@ -148,6 +148,17 @@ class Planner:
             self.rng.shuffle(self._order)
         return self._order.pop()
 
+    def demonstrations(self, n: int) -> list[Assignment]:
+        """The ``n`` cold-start demonstration groups. Mix mode: each task paired with every harness in turn, one
+        group per (task, harness) pair, so every harness gets its own SFT groups; otherwise ``n`` tasks with
+        ``harness``."""
+        harnesses = self.harnesses if self.mode == "mix" else [self.harness]
+        out: list[Assignment] = []
+        while len(out) < n:
+            t = self.next_task()
+            out += [Assignment(t, h, -1) for h in harnesses]
+        return out[:n]
+
     def step(self, step: int) -> list[Assignment]:
         """The B groups of training step ``step``."""
         if self.mode == "single":
@@ -222,6 +233,7 @@ class Issuer:
     in_flight: dict[str, int] = field(default_factory=dict)  # group -> rollouts not finished
     # The current step's assignments: the planner is asked once per step, in order (its RNG depends on it).
     _step_cache: dict[int, list[Assignment]] = field(default_factory=dict, repr=False)
+    _sft: list[Assignment] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.warm = self.settings.sft_groups == 0
@@ -241,9 +253,7 @@ class Issuer:
         self.train_issued = min(self.total, steps_done * self.groups_per_step)
         self.sft_issued = self.settings.sft_groups
         self.warm = False  # wait for the learner's resumed weights to reach the engine
-        if self.sft_planner is self.planner:
-            for _ in range(self.settings.sft_groups):
-                self.planner.next_task()
+        self._demonstrations()  # drawn from the training planner's stream when they share it
         for s in range(steps_done):
             self.planner.step(s)
 
@@ -273,7 +283,7 @@ class Issuer:
         pending: list[Assignment] = []
         while len(self.in_flight) < s.max_groups_in_flight:
             if self.sft_issued < s.sft_groups:
-                a = Assignment(self.sft_planner.next_task(), s.harness, -1)
+                a = self._demonstrations()[self.sft_issued]
                 out.append(self._take(f"sft{self.sft_issued:04d}", a, "sft", s.sft_group_size))
                 self.sft_issued += 1
                 continue
@@ -287,6 +297,12 @@ class Issuer:
             out.append(self._take(f"g{j:05d}{suffix}", pending.pop(0), "train", s.group_size))
             self.train_issued += 1
         return out
+
+    def _demonstrations(self) -> list[Assignment]:
+        """Every demonstration group, drawn at once on first use (before any training group, as they are issued)."""
+        if self._sft is None:
+            self._sft = self.sft_planner.demonstrations(self.settings.sft_groups)
+        return self._sft
 
     def _step_assignments(self, step: int) -> list[Assignment]:
         if step not in self._step_cache:
