@@ -76,6 +76,9 @@ class SchedulerSettings(Section):
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: off
     max_new_tokens: PosInt = 256
+    # A demonstration's responses are the script's, whatever their length (a file's whole content in one tool
+    # call): their own, larger cap, so a small max_new_tokens for sampled rollouts never cuts one.
+    sft_max_new_tokens: PosInt = 1024
     timeout_s: PosFloat = 300.0
     seed: int = 0
     reloadable = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "timeout_s", "max_groups_in_flight"})
@@ -91,10 +94,12 @@ class SchedulerSettings(Section):
         if self.mode == "mix" and not self.harnesses:
             raise ConfigError(f'{exp.source}: [{name}].harnesses: mode = "mix" needs the list of harnesses')
         proxy = exp.kind_section("proxy")
-        if proxy is not None and self.max_new_tokens >= proxy[1].context_len:
-            raise ConfigError(
-                f"{exp.source}: [{name}].max_new_tokens = {self.max_new_tokens} leaves no room for a prompt within "
-                f"[{proxy[0]}].context_len = {proxy[1].context_len}; lower the first or raise the second")
+        for field_name in ("max_new_tokens", "sft_max_new_tokens") if self.sft_groups else ("max_new_tokens",):
+            value = getattr(self, field_name)
+            if proxy is not None and value >= proxy[1].context_len:
+                raise ConfigError(
+                    f"{exp.source}: [{name}].{field_name} = {value} leaves no room for a prompt within "
+                    f"[{proxy[0]}].context_len = {proxy[1].context_len}; lower the first or raise the second")
         learner = exp.kind_section("learner")
         if (learner is not None and self.group_size < 2 and learner[1].train.advantage == "grpo"
                 and exp.run.steps > 0):
@@ -323,8 +328,9 @@ class Issuer:
 def rollout_requests(issue: Issue, settings: SchedulerSettings, version: int) -> list[RolloutRequest]:
     """The group's RolloutRequests, each with its own fresh rollout token; demonstrations carry the oracle script."""
     script = oracle_script(issue.assignment.task, issue.assignment.harness) if issue.purpose == "sft" else []
+    cap = settings.sft_max_new_tokens if issue.purpose == "sft" else settings.max_new_tokens
     sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                              max_new_tokens=settings.max_new_tokens, seed=None)
+                              max_new_tokens=cap, seed=None)
     a = issue.assignment
     return [RolloutRequest(
         rollout_id=f"{issue.group_id}-r{i}", group_id=issue.group_id, index=i, group_size=issue.size,

@@ -167,3 +167,16 @@ def test_mix_resume_skips_the_demonstration_tasks(tasks):
     resumed.resume(steps_done=0, attempt=1)
     resumed.updated(version=1, step=0)
     assert [i.assignment.task.id for i in resumed.next(max_staleness=5)] == full
+
+
+def test_demonstrations_get_their_own_token_cap(tasks):
+    from pipeline.rollout.scheduling import rollout_requests
+
+    iss, _ = mix_issuer(tasks, sft_groups=3, sft_group_size=1, max_new_tokens=32, sft_max_new_tokens=900)
+    sft = iss.next(max_staleness=1)[0]
+    reqs = rollout_requests(sft, iss.settings, version=0)
+    assert sft.purpose == "sft" and {r.sampling.max_new_tokens for r in reqs} == {900}
+    assert reqs[0].script[-1] == {"text": "Done."} and reqs[0].harness == "whitebox:S0T0O0C0W0"
+    iss.updated(version=1, step=0)
+    train = next(i for i in iss.next(max_staleness=1) if i.purpose == "train")
+    assert {r.sampling.max_new_tokens for r in rollout_requests(train, iss.settings, version=1)} == {32}
