@@ -137,7 +137,7 @@ def test_requests_carry_sampling_purpose_and_fresh_tokens(tasks):
     assert [r.rollout_id for r in reqs] == ["sft0000-r0", "sft0000-r1"]
     assert len({r.token for r in reqs}) == 2 and all(len(r.token) > 30 for r in reqs)
     assert all(r.script and r.purpose == "sft" and r.demonstrations == 2 for r in reqs)
-    assert reqs[0].sampling.temperature == 0.7 and reqs[0].sampling.max_new_tokens == 33
+    assert reqs[0].sampling.temperature == 0.7 and reqs[0].sampling.max_new_tokens == iss.settings.sft_max_new_tokens
 
 
 def mix_issuer(tasks, **kw):
