@@ -85,3 +85,20 @@ def test_bad_vocab_file_is_named(tmp_path):
 def test_bad_shape_is_refused(tmp_path):
     with pytest.raises(ValueError, match="num_heads"):
         create_small_model(tmp_path, hidden_size=30, num_heads=4)
+
+
+def test_build_model_spec_full_vocabulary(tmp_path):
+    """[experiment.build_model] vocabulary = "full": every Qwen id, no table, the asked context length."""
+    import msgspec
+
+    from pipeline.models.quickstart import ModelSpec, ensure_model
+
+    spec = msgspec.convert({"path": str(tmp_path / "full"), "vocabulary": "full", "hidden_size": 16, "num_layers": 1,
+                            "num_heads": 2, "num_kv_heads": 1, "max_position_embeddings": 32768}, ModelSpec)
+    d = ensure_model(spec)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["vocab_size"] == QWEN_VOCAB_SIZE and cfg["max_position_embeddings"] == 32768
+    assert load_vocab_table(d) is None and not (d / VOCAB_FILE).exists()
+    assert sorted(cfg["eos_token_id"]) == sorted([IM_END, ENDOFTEXT])
+    with pytest.raises(msgspec.ValidationError, match="vocabulary"):
+        msgspec.convert({"vocabulary": "tiny"}, ModelSpec)
