@@ -42,6 +42,7 @@ from pipeline.core.logs import get_logger
 from pipeline.messages import TreeGroup
 from pipeline.training import advantages as adv
 from pipeline.training import batches, losses
+from pipeline.training import tree_attention as ta
 from pipeline.training.batches import MicroBatch
 
 
@@ -102,9 +103,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # compute
     micro_batch_tokens: PosInt = 16384
     logits_chunk: PosInt = 4096  # rows of (rows x vocab) logits materialized at once
-    # auto: flex on CUDA, dense otherwise. flex runs forward-only on CPU (inductor; torch has no CPU backward);
+    # auto: flex on CUDA, chunked otherwise. flex runs forward-only on CPU (inductor; torch has no CPU backward);
+    # chunked runs attention_chunk queries at a time (memory linear in tokens); dense builds an N x N mask;
     # reference runs every root-to-leaf path as its own sequence and is for tests.
-    attention: Literal["auto", "flex", "dense", "reference"] = "auto"
+    attention: Literal["auto", "flex", "chunked", "dense", "reference"] = "auto"
+    attention_chunk: PosInt = 1024
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, no otherwise
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False
@@ -185,8 +188,8 @@ class Learner:
         set_seed(cfg.seed)
         self.attention = cfg.attention
         if self.attention == "auto":
-            self.attention = "flex" if acc.device.type == "cuda" else "dense"
-        impl = "flex_attention" if self.attention == "flex" else "sdpa"
+            self.attention = "flex" if acc.device.type == "cuda" else "chunked"
+        impl = {"flex": "flex_attention", "chunked": ta.register_chunked()}.get(self.attention, "sdpa")
         dtype = torch.float32 if cfg.param_dtype == "float32" else torch.bfloat16
 
         self.model_path: Path | None = Path(model_path) if model_path is not None else None
@@ -377,7 +380,8 @@ class Learner:
     ) -> dict[str, torch.Tensor]:
         cfg = self.config
         return self.net(
-            **batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device),
+            **batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device,
+                                   cfg.attention_chunk),
             temperature=self._temperature(mb),
             logits_chunk=cfg.logits_chunk,
             values=values,
@@ -401,7 +405,8 @@ class Learner:
                 if ppo:
                     mb.old["value"] = out["value"].float()
             if self.reference is not None:
-                inputs = batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device)
+                inputs = batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device,
+                                              self.config.attention_chunk)
                 with self.accelerator.autocast():
                     h = self.reference.base_model(
                         input_ids=inputs["input_ids"],
