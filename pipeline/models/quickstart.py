@@ -45,6 +45,9 @@ class ModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
     # reduced: only the ids the quickstart's episodes use (harness and families above); full: all Qwen ids.
     vocabulary: Literal["reduced", "full"] = "reduced"
+    # > 0: the untrained policy ends a turn after about this many tokens (pipeline.models.small.end_turns_early);
+    # a black-box harness then sees answers end instead of every one cut at the token cap.
+    mean_reply_tokens: int = 0
 
 
 def episode_conversations(spec: ModelSpec) -> list[Conversation]:
@@ -93,7 +96,8 @@ def ensure_model(spec: ModelSpec) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     create_small_model(tmp, vocab=table, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
                        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                       max_position_embeddings=spec.max_position_embeddings, seed=spec.seed)
+                       max_position_embeddings=spec.max_position_embeddings, seed=spec.seed,
+                       mean_reply_tokens=spec.mean_reply_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
     log.info("quickstart model created", path=str(out), vocab=table.size if table else "full")
