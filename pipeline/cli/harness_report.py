@@ -4,8 +4,8 @@ For each harness a run used (``RolloutRequest.harness``): rollouts (demonstratio
 how many settled, model calls per rollout, input and output tokens per call, how long the harness ran (the
 sandbox's ``timings``: started to exited, so container start-up counts, the verifier does not), demonstration packs
 holding its rollouts, and its training groups trained, dropped by the tree builder, or left out as too stale.
-A group counts as trained when the learner's step that consumed it published a ``PolicyUpdated`` whose
-``batch_hash`` is the hash of exactly the groups the log delivered for that step.
+A group counts as trained when an RL step's ``PolicyUpdated`` lists it (``groups``; logs written before that field
+show ``?``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from pipeline.messages import (
     SettledRollout,
     TreeGroup,
     ids,
-    packed_hash,
 )
 
 
@@ -43,7 +42,7 @@ class HarnessStats(msgspec.Struct, kw_only=True):
     harness_s_mean: float = 0.0  # started to exited, per rollout
     harness_s_max: float = 0.0
     sft_packs: int = 0  # demonstration packs holding at least one of its rollouts
-    groups_trained: int = 0  # its training groups in a published RL step
+    groups_trained: int | None = None  # its groups an RL step trained on (None: the log does not say)
     groups_dropped: int = 0  # GroupDropped by the tree builder (too few valid rollouts)
 
 
@@ -60,11 +59,9 @@ def report(log_path: Path) -> list[HarnessStats]:
     settled: set[str] = set()
     calls: dict[str, list[ModelCall]] = defaultdict(list)
     packs: list[TreeGroup] = []
-    delivered: list[TreeGroup | GroupDropped] = []  # training groups, in the order the learner received them
+    dropped: list[str] = []  # training groups the tree builder dropped
     updates: list[PolicyUpdated] = []
-    reader = EventLogReader(log_path)
-    per_step = int(reader.header.config.get("run", {}).get("groups_per_step", 0) or 0)
-    for ev in reader:
+    for ev in EventLogReader(log_path):
         m = ev.msg
         if isinstance(m, RolloutRequest):
             harness_of.setdefault(m.rollout_id, m.harness)
@@ -76,15 +73,15 @@ def report(log_path: Path) -> list[HarnessStats]:
             settled.add(m.request.rollout_id)
         elif isinstance(m, ModelCall):
             calls[m.rollout_id].append(m)
-        elif isinstance(m, (TreeGroup, GroupDropped)) and ev.src.startswith("tree."):
-            if m.purpose == "sft":
-                if isinstance(m, TreeGroup):
-                    packs.append(m)
-            else:
-                delivered.append(m)
+        elif isinstance(m, TreeGroup) and m.purpose == "sft" and ev.src.startswith("tree."):
+            packs.append(m)
+        elif isinstance(m, GroupDropped) and m.purpose != "sft" and ev.src.startswith("tree."):
+            dropped.append(m.group_id)
         elif isinstance(m, PolicyUpdated) and ev.src.startswith("learner."):
             updates.append(m)
-    trained = _trained_groups(delivered, updates, per_step)
+    # logs written before PolicyUpdated.groups cannot say which groups a step trained
+    listed = any(u.groups for u in updates)
+    trained = [g for u in updates if u.step > 0 for g in u.groups]
     stats: dict[str, HarnessStats] = {}
     per: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for rid, h in harness_of.items():
@@ -113,27 +110,9 @@ def report(log_path: Path) -> list[HarnessStats]:
         s.harness_s_mean = _mean(p["harness_s"])
         s.harness_s_max = round(max(p["harness_s"], default=0.0), 2)
         s.sft_packs = sum(any(harness_of.get(r.rollout_id) == h for r in g.rollouts) for g in packs)
-        s.groups_dropped = sum(isinstance(g, GroupDropped) and group_harness.get(g.group_id) == h
-                               for g in delivered)
-        s.groups_trained = sum(group_harness.get(g) == h for g in trained)
+        s.groups_dropped = sum(group_harness.get(g) == h for g in dropped)
+        s.groups_trained = sum(group_harness.get(g) == h for g in trained) if listed else None
     return list(stats.values())
-
-
-def _trained_groups(delivered: list[TreeGroup | GroupDropped], updates: list[PolicyUpdated],
-                    per_step: int) -> list[str]:
-    """Ids of the training groups of each published RL step, when that step's batch hash is the hash of the
-    TreeGroups delivered for it (the learner counts groups received, trained or dropped, ``per_step`` a step; a
-    group left out as too stale makes the hashes differ, and its step's groups are not counted)."""
-    steps = sorted((u for u in updates if u.step > 0), key=lambda u: u.step)
-    if not steps or not delivered or per_step <= 0:
-        return []
-    out: list[str] = []
-    for u in steps:
-        chunk = delivered[(u.step - 1) * per_step: u.step * per_step]
-        batch = [g for g in chunk if isinstance(g, TreeGroup)]
-        if batch and packed_hash(batch) == u.batch_hash:
-            out += [g.group_id for g in batch]
-    return out
 
 
 def text(stats: list[HarnessStats]) -> str:
@@ -145,6 +124,7 @@ def text(stats: list[HarnessStats]) -> str:
         st = ", ".join(f"{k} {v}" for k, v in sorted(s.statuses.items(), key=lambda kv: -kv[1]))
         lines.append(f"{s.harness:<22}{s.rollouts:>9}{s.demonstrations:>6}{s.settled:>8}{s.calls_per_rollout:>8.1f}"
                      f"{s.input_tokens_per_call:>12.0f}{s.max_input_tokens:>8}{s.output_tokens_per_call:>13.1f}"
-                     f"{s.harness_s_mean:>7.1f}{s.harness_s_max:>7.1f}{s.sft_packs:>10}{s.groups_trained:>8}"
+                     f"{s.harness_s_mean:>7.1f}{s.harness_s_max:>7.1f}{s.sft_packs:>10}"
+                     f"{'?' if s.groups_trained is None else s.groups_trained:>8}"
                      f"{s.groups_dropped:>8}  {st}")
     return "\n".join(lines)

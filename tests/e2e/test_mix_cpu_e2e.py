@@ -52,7 +52,7 @@ def test_mix_cpu_every_harness_through_demonstrations_sft_and_rl_then_replay(tmp
         # 1 demonstration + 2 steps x 1 group x 2 rollouts, every one settled and turned into a tree
         assert (s.rollouts, s.demonstrations, s.settled) == (5, 1, 5), s
         assert s.sft_packs == 1, s  # its own demonstration pack, trained in the cold start
-        assert s.groups_trained >= 1, s  # a training group in an RL step whose batch hash the log confirms
+        assert s.groups_trained >= 1, s  # an RL step trained on one of its groups (PolicyUpdated.groups)
         assert s.calls >= 5 and s.max_input_tokens > 0, s
 
     events = list(EventLogReader(log))
@@ -64,6 +64,7 @@ def test_mix_cpu_every_harness_through_demonstrations_sft_and_rl_then_replay(tmp
 
     updates = [e.msg for e in events if isinstance(e.msg, PolicyUpdated)]
     assert [u.step for u in updates] == [0, 1, 2]  # after SFT, after each RL step
+    assert len(updates[0].groups) == 5 and all(u.groups for u in updates)  # the packs, then each step's groups
     assert all(u.weights_path and u.batch_hash for u in updates) and Path(updates[-1].weights_path).is_dir()
     sft_version = updates[0].version
     pushed = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
