@@ -317,7 +317,10 @@ def _shell_forms(tool: str, arg: str, extra: dict[str, str] | None = None) -> di
 CLAUDE_CODE_TOOLS = DemoTools({
     "write_file": ToolForm("Write", {"file_path": "{path}", "content": "{content}"}),
     "read_file": ToolForm("Read", {"file_path": "{path}"}),
-    "edit_file": ToolForm("Edit", {"file_path": "{path}", "old_string": "{old}", "new_string": "{new}"}),
+    # Claude Code echoes an Edit call with its default replace_all filled in, first: sampled that way, the call is
+    # history as the policy produced it, and the next request extends it token for token.
+    "edit_file": ToolForm("Edit", {"replace_all": False, "file_path": "{path}", "old_string": "{old}",
+                                   "new_string": "{new}"}),
     "bash": ToolForm("Bash", {"command": "{command}", "description": "Run the command"}),
 }, read_before_edit=True)
 CODEX_TOOLS = DemoTools(_shell_forms("exec_command", "cmd"))  # Codex offers only a shell

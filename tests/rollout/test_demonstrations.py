@@ -31,7 +31,7 @@ def test_claude_code_reads_a_file_before_it_edits_it():
     assert calls("claude-code") == [
         ("Read", {"file_path": "test_calc.py"}),
         ("Read", {"file_path": "calc.py"}),  # inserted: Claude Code refuses to edit a file it has not read
-        ("Edit", {"file_path": "calc.py", "old_string": "n)", "new_string": "n + 1)"}),
+        ("Edit", {"replace_all": False, "file_path": "calc.py", "old_string": "n)", "new_string": "n + 1)"}),
         ("Bash", {"command": "python3 -m unittest test_calc", "description": "Run the command"}),
     ]
     written = [("write_file", {"path": "a.txt", "content": "x"}), ("edit_file", {"path": "a.txt", "old": "x", "new": "y"})]
