@@ -106,6 +106,8 @@ async def test_missing_harness_binary_is_sandbox_error(tmp_path):
     b = LocalBackend(LocalSettings(harness_bin=str(tmp_path)))
     fin = await b.run(request("claude-code", task), task, proxy_url="http://127.0.0.1:9")
     assert fin.status == "sandbox_error" and "BRIDLE_HARNESS_BIN" in fin.details
+    fin = await b.run(request("openclaw", task), task, proxy_url="http://127.0.0.1:9")
+    assert fin.status == "sandbox_error" and "npm install node-linux-" in fin.details  # and the Node it runs on
 
 
 async def test_unknown_harness_is_sandbox_error(tmp_path):
