@@ -210,8 +210,14 @@ def replay(args: argparse.Namespace, resolve: Resolver) -> int:
         print("\n".join(launch.call_lines(log_path)))
         return 0
     if not args.stage:
+        from pipeline.cli import harness_report
+
         s = summarize(log_path)
-        print(json.dumps(s.as_dict()) if args.json else launch.summary_text(s))
+        per_harness = harness_report.report(log_path)
+        if args.json:
+            print(json.dumps({**s.as_dict(), "harnesses": msgspec.to_builtins(per_harness)}))
+        else:
+            print(launch.summary_text(s) + ("\n\n" + harness_report.text(per_harness) if per_harness else ""))
         return 0
     exp = launch.recorded_experiment(log_path, resolve, args.overrides)
     stage = launch.resolve_stage(exp, [x.strip() for x in args.stage.split(",") if x.strip()])

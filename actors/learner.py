@@ -82,7 +82,7 @@ class LearnerActor(Actor[LearnerSettings]):
             self.learner = await anyio.to_thread.run_sync(Learner, str(self.model_dir), c.rl_stage(run))
             await anyio.to_thread.run_sync(self.learner.load_checkpoint, self.resume.checkpoint)
             self.log.info("resumed", checkpoint=str(self.resume.checkpoint), steps_done=loop.steps_done)
-            await self._publish(loop.steps_done, {}, "")
+            await self._publish(loop.steps_done, {}, None)
         else:
             loop = LearnerLoop(run.steps, run.groups_per_step, c.checkpoint_every)
             # Weights load now, while the first rollouts run; the optimizer is chosen by the first message: a
@@ -131,7 +131,7 @@ class LearnerActor(Actor[LearnerSettings]):
             m = await anyio.to_thread.run_sync(self.learner.sft_step, update.packs, abandon_on_cancel=True)
             # sft_updates: the plan's length, for the monitor's progress
             await self._metric(0, {**m, "sft_epoch": update.epoch, "sft_updates": len(plan)}, phase="sft")
-        path = await self._publish(0, {"sft_demos": demos}, packed_hash(groups))
+        path = await self._publish(0, {"sft_demos": demos}, groups)
         cfg = msgspec.structs.replace(c.rl_stage(self.ctx.run), initial_version=self.learner.version)
         self.learner = await anyio.to_thread.run_sync(Learner, str(path), cfg)
 
@@ -155,9 +155,10 @@ class LearnerActor(Actor[LearnerSettings]):
         if ready.checkpoint:
             await self._checkpoint(ready.step)
         await self._metric(ready.step, m, phase="rl")
-        await self._publish(ready.step, m, packed_hash(ready.batch))
+        await self._publish(ready.step, m, ready.batch)
 
-    async def _publish(self, step: int, metrics: dict[str, Any], batch_hash: str) -> Path:
+    async def _publish(self, step: int, metrics: dict[str, Any], batch: list[TreeGroup] | None) -> Path:
+        """Save the weights and announce them; ``batch``: what this update trained on (None: no update, a resume)."""
         assert self.run_dir is not None
         version = self.learner.version
         path = self.run_dir / "weights" / f"v{version:05d}"
@@ -166,7 +167,8 @@ class LearnerActor(Actor[LearnerSettings]):
             shutil.copy2(self.model_dir / VOCAB_FILE, path / VOCAB_FILE)
         self._prune()
         await self.send("updates", PolicyUpdated(
-            version=version, step=step, weights_path=str(path), batch_hash=batch_hash,
+            version=version, step=step, weights_path=str(path),
+            batch_hash="" if batch is None else packed_hash(batch), groups=[g.group_id for g in batch or []],
             metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}))
         return path
 

@@ -25,7 +25,8 @@ class Scheduler(Actor[SchedulerSettings]):
         sft_planner = planner
         if c.sft_tasks is not None and c.sft_groups:
             sft_tasks = load_tasks(c.sft_tasks, self.run_dir, "sft_tasks")
-            sft_planner = Planner(sft_tasks, "single", c.harness, [], c.k, run.groups_per_step, c.seed)
+            sft_planner = Planner(sft_tasks, "mix" if c.mode == "mix" else "single", c.harness, c.harnesses, c.k,
+                                  run.groups_per_step, c.seed)
         issuer = self.issuer = Issuer(planner, sft_planner, c, steps=run.steps, groups_per_step=run.groups_per_step)
         if self.resume is not None:
             issuer.resume(self.resume.steps_done, self.resume.attempt)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Make a Docker engine available and build bridle's sandbox images. Idempotent: each step is skipped when done.
 # Needs root (apt-get, dockerd, debootstrap). Run from the repository root with the project's Python active and,
-# for the Claude Code / Codex images, BRIDLE_HARNESS_BIN pointing at an npm node_modules/.bin that holds them.
+# for the harness images, BRIDLE_HARNESS_BIN pointing at an npm node_modules/.bin that holds the harnesses and the
+# private Node (.ci/run installs them); without it they are installed with npm under ~/.cache/bridle/images.
 # tmux: the test of the live display runs a short quickstart in a real terminal (tests/e2e/test_terminal.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -327,6 +327,7 @@ class PolicyUpdated(_Msg, kw_only=True):
     weights_path: str = ""
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     batch_hash: str = ""  # sha256 of the packed batch this update trained on (replay reproduces it)
+    groups: list[str] = msgspec.field(default_factory=list)  # ids of the TreeGroups it trained on, in order
 
 
 # -------------------------------------------------------------------------------------- control, metrics

@@ -1,5 +1,9 @@
 """The quickstart's policy: a tiny Qwen3-architecture model with a reduced vocabulary, built on first use.
 
+``vocabulary = "full"`` builds one with every Qwen id instead (``[experiment.build_model]``): slower per token on a
+CPU, but it can show and produce anything a black-box harness sends, whose prompts (system prompts of thousands of
+tokens, tool schemas, the model's own garbage fed back) no reduced table can cover.
+
 The vocabulary table holds every Qwen id the quickstart can show the model or ask it to produce: the white-box
 harness's system prompts and tool definitions, the chat template, and complete oracle episodes (instruction, tool
 call, tool result, final answer) of many generated tasks, rendered exactly as the proxy renders them. Ids outside
@@ -11,7 +15,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -39,6 +43,11 @@ class ModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_kv_heads: int = 2
     max_position_embeddings: int = 2048
     seed: int = 0
+    # reduced: only the ids the quickstart's episodes use (harness and families above); full: all Qwen ids.
+    vocabulary: Literal["reduced", "full"] = "reduced"
+    # > 0: the untrained policy ends a turn after about this many tokens (pipeline.models.small.end_turns_early);
+    # a black-box harness then sees answers end instead of every one cut at the token cap.
+    mean_reply_tokens: int = 0
 
 
 def episode_conversations(spec: ModelSpec) -> list[Conversation]:
@@ -83,12 +92,13 @@ def ensure_model(spec: ModelSpec) -> Path:
     out = Path(spec.path)
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    table = vocabulary(spec)
+    table = vocabulary(spec) if spec.vocabulary == "reduced" else None
     tmp = out.with_name(out.name + ".tmp")
     create_small_model(tmp, vocab=table, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
                        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                       max_position_embeddings=spec.max_position_embeddings, seed=spec.seed)
+                       max_position_embeddings=spec.max_position_embeddings, seed=spec.seed,
+                       mean_reply_tokens=spec.mean_reply_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
-    log.info("quickstart model created", path=str(out), vocab=table.size)
+    log.info("quickstart model created", path=str(out), vocab=table.size if table else "full")
     return out

@@ -16,8 +16,10 @@ log-probabilities are over the same rows the engine sampled from.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -127,13 +129,16 @@ def create_small_model(
     max_position_embeddings: int = 4096,
     eos_ids: Sequence[int] = (IM_END, ENDOFTEXT),
     seed: int = 0,
+    mean_reply_tokens: int = 0,
 ) -> Path:
     """Randomly initialise a Qwen3ForCausalLM and save it as a HF folder (config.json + model.safetensors).
 
     With ``vocab`` the model gets ``vocab.size`` rows and the table is saved as ``bridle_vocab.json``;
     without it the model has the full Qwen vocabulary (loadable by SGLang too, with ``--skip-tokenizer-init``
     or a tokenizer copied into the folder). ``eos_ids`` are Qwen ids; for a reduced vocabulary the config stores
-    their compact ids (those not in the table are dropped).
+    their compact ids (those not in the table are dropped). ``mean_reply_tokens`` > 0: the untrained model ends a
+    turn after about that many tokens (:func:`end_turns_early`); 0: it almost never does (1 in the vocabulary size
+    per token).
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -164,6 +169,9 @@ def create_small_model(
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
+    if mean_reply_tokens:
+        end = IM_END if vocab is None else int(vocab.to_compact([IM_END])[0])
+        end_turns_early(model, end, mean_reply_tokens)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -173,3 +181,33 @@ def create_small_model(
         json.dumps({"created_by": "pipeline.models.small.create_small_model", "seed": seed}, indent=1)
     )
     return out
+
+
+def end_turns_early(model: Any, end_id: int, mean_tokens: int) -> None:
+    """Give a randomly initialized Qwen3 model a prior to end its turn: ``end_id`` gets probability about
+    ``1 / mean_tokens`` at every position, every other row stays near uniform.
+
+    A random model samples the end-of-turn token once in the vocabulary size, so without this a black-box harness
+    never sees a turn end: every answer runs to the token cap, and Claude Code, after three "output token limit"
+    recoveries, exits with an error. The Qwen3 LM head has no bias, so one hidden dimension is made a constant
+    feature: dimension 0 of every token embedding is set to one value, no layer writes to it (row 0 of every
+    attention and MLP output projection is zero), and after the final RMSNorm it is nearly the same at every
+    position; the end-of-turn row reads only that dimension, scaled to the wanted logit. Training may change all
+    of this like any other weight.
+    """
+    import torch
+
+    cfg = model.config
+    hidden, vocab = int(cfg.hidden_size), int(cfg.vocab_size)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = float(emb[:, 1:].std()) * hidden**0.5  # about the norm of the other dimensions together
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        head = model.get_output_embeddings().weight
+        head[end_id, :] = 0.0
+        probe = torch.randint(0, vocab, (1, 256), generator=torch.Generator().manual_seed(0))
+        h0 = float(model.model(input_ids=probe).last_hidden_state[0, :, 0].mean())
+        # softmax: e^b / (e^b + (vocab - 1)) = 1 / mean_tokens
+        head[end_id, 0] = math.log((vocab - 1) / max(mean_tokens - 1, 1e-9)) / h0

@@ -1,8 +1,9 @@
-"""Harness adapters: what each harness is and how to start it headless against the proxy (docs/harnesses.md).
+"""Harness adapters: what each harness is and how to start it headless against the proxy (docs/rollout.md).
 
 Each harness is one :class:`Harness` entry in :data:`HARNESSES`: its executable and the npm package that provides
-it, its Docker image and where the image keeps the executable, whether it is given the task's ``solution/``, and
-its launcher, which turns (workspace, home, proxy base URL, rollout token, instruction) into a :class:`Launch`:
+it, its Docker image, what the image's build takes from the npm install and where the image keeps the executable
+(and the Node that runs it), whether it is given the task's ``solution/``, its tools for oracle demonstrations
+(pipeline/rollout/demonstrations.py), and its launcher, which turns (workspace, home, proxy base URL, rollout token, instruction) into a :class:`Launch`:
 the argv, the environment, config files to write before starting, and where the harness writes its transcript.
 The sandbox backends (``pipeline/rollout/sandbox/``) ask the entry and never branch on a harness's name, so adding
 a harness is adding an entry. The same launch is used by the local backend (a child process) and by the Docker
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import shlex
 import shutil
 import sys
 import uuid
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.core.paths import HARNESS_IMAGES
+from pipeline.rollout.demonstrations import NEUTRAL_TOOLS, DemoTools, ToolForm, same_arguments
+from pipeline.rollout.harness_space import HarnessConfig, tool_name_for
 
 WHITEBOX = HARNESS_IMAGES / "whitebox" / "harness.py"
 
@@ -211,8 +216,28 @@ def oracle(ctx: LaunchContext, variant: str = "") -> Launch:
 
 # ------------------------------------------------------------------------------------------- adapters
 @dataclass(frozen=True)
+class ImageInput:
+    """One file or folder of a harness image's build context, taken from an npm install (a ``node_modules``).
+
+    ``paths``: candidates relative to ``node_modules``, the first that exists wins; glob patterns, where ``{arch}``
+    is the machine as Rust names it (x86_64, aarch64) and ``{node_arch}`` as Node names it (x64, arm64).
+    ``closure``: instead, this npm package and every package it needs at run time (read from npm's
+    ``node_modules/.package-lock.json``), laid out as a ``node_modules`` folder (pipeline/rollout/images.py).
+    """
+
+    name: str  # its name in the build context; the image's Dockerfile COPYs it
+    paths: tuple[str, ...] = ()
+    closure: str = ""
+
+
+NODE_PACKAGE = "node-linux-{node_arch}@24.22.3"  # the private Node that runs Qwen Code and OpenClaw
+NODE_INPUT = ImageInput("node", paths=("node-linux-{node_arch}/bin/node",))
+CONTAINER_NODE = "/usr/local/bin/node"  # where the Node images keep it
+
+
+@dataclass(frozen=True)
 class Harness:
-    """One harness: everything a sandbox backend needs to know about it."""
+    """One harness: everything a sandbox backend, the image build and the scheduler need to know about it."""
 
     name: str  # as in RolloutRequest.harness, before any ":variant"
     # (context, variant: what followed "name:" in RolloutRequest.harness, "" if nothing) -> how to start it.
@@ -220,18 +245,33 @@ class Harness:
     variants: str = ""  # the form of its variants, for error messages ("" = it has none)
     executable: str = ""  # found on the host by find_binary ("" = none: it runs on Python or bash)
     npm_package: str = ""  # the pinned npm package that provides the executable (install hint, image build)
+    needs_node: bool = False  # it runs on the private Node (NODE_PACKAGE), found by find_node on the host
     # Its Docker image (pipeline/rollout/images.py builds it). Only harnesses with an image run in the sandboxes,
     # under either backend, so that a config runs unchanged on both.
     image: str = ""
+    image_inputs: tuple[ImageInput, ...] = ()  # what its image's build context takes from the npm install
     container_binary: str = ""  # where the image keeps the executable ("" = the launcher's default)
     needs_solution: bool = False  # it is given the task's solution/ (only the oracle pseudo-harness)
     # Container folders it must write besides the workspace, its HOME and /tmp: the Docker sandbox's root
     # filesystem is read-only, and these become size-capped tmpfs mounts owned by the harness's uid.
     writable: tuple[str, ...] = ()
+    # Its tools for the task's neutral oracle actions, per variant (oracle demonstrations; None: it cannot play one).
+    demo_tools: Callable[[str], DemoTools] | None = None
 
     @property
     def usage(self) -> str:
         return f"{self.name}[:{self.variants}]" if self.variants else self.name
+
+    @property
+    def container_node(self) -> str:
+        """The Node inside its image ("" for a harness that does not run on Node)."""
+        return CONTAINER_NODE if self.needs_node else ""
+
+    @property
+    def npm_packages(self) -> tuple[str, ...]:
+        """What ``npm install`` needs for it (its package, and the private Node if it runs on it)."""
+        node = (node_package(),) if self.needs_node else ()
+        return (*node, self.npm_package) if self.npm_package else ()
 
     def launch(self, ctx: LaunchContext, variant: str = "") -> Launch:
         """How to start this harness in ``ctx``; without ``ctx.binary``, its executable as find_binary finds it."""
@@ -240,17 +280,89 @@ class Harness:
         return self.launcher(ctx, variant)
 
 
+def node_package() -> str:
+    return NODE_PACKAGE.format(node_arch=NODE_ARCH.get(platform.machine(), platform.machine()))
+
+
+NODE_ARCH = {"x86_64": "x64", "aarch64": "arm64", "arm64": "arm64"}
+
+
+def _fixed(tools: DemoTools) -> Callable[[str], DemoTools]:
+    return lambda _variant: tools
+
+
+def _whitebox_tools(variant: str) -> DemoTools:
+    """The white-box harness takes the neutral arguments; its tool names follow its T level."""
+    cfg = HarnessConfig.parse(variant or "S0T0O0C0W0")
+    return same_arguments({t: tool_name_for(cfg, t) for t in NEUTRAL_TOOLS})
+
+
+# python3 -c EDIT_PY PATH OLD NEW: replace the one occurrence of OLD (a shell-only harness's edit_file).
+EDIT_PY = ("import os,sys; f=sys.argv[1]; s=open(f,'rb').read(); o,n=map(os.fsencode,sys.argv[2:4]); "
+           "assert s.count(o)==1, 'the old text is not in the file exactly once'; open(f,'wb').write(s.replace(o,n))")
+
+
+def _shell_forms(tool: str, arg: str, extra: dict[str, str] | None = None) -> dict[str, ToolForm]:
+    """The neutral tools through one shell tool ``tool`` taking the command as ``arg`` (relative paths: the shell
+    runs in the workspace)."""
+    extra = extra or {}
+    return {
+        "write_file": ToolForm(tool, {arg: 'mkdir -p "$(dirname {path:sh})" && printf %s {content:sh} > {path:sh}',
+                                      **extra}),
+        "read_file": ToolForm(tool, {arg: "cat {path:sh}", **extra}),
+        "edit_file": ToolForm(tool, {arg: "python3 -c " + shlex.quote(EDIT_PY) + " {path:sh} {old:sh} {new:sh}",
+                                     **extra}),
+        "bash": ToolForm(tool, {arg: "{command}", **extra}),
+    }
+
+
+# Each harness's tools, as its live requests offer them.
+CLAUDE_CODE_TOOLS = DemoTools({
+    "write_file": ToolForm("Write", {"file_path": "{path}", "content": "{content}"}),
+    "read_file": ToolForm("Read", {"file_path": "{path}"}),
+    # Claude Code echoes an Edit call with its default replace_all filled in, first: sampled that way, the call is
+    # history as the policy produced it, and the next request extends it token for token.
+    "edit_file": ToolForm("Edit", {"replace_all": False, "file_path": "{path}", "old_string": "{old}",
+                                   "new_string": "{new}"}),
+    "bash": ToolForm("Bash", {"command": "{command}", "description": "Run the command"}),
+}, read_before_edit=True)
+CODEX_TOOLS = DemoTools(_shell_forms("exec_command", "cmd"))  # Codex offers only a shell
+# Qwen Code's file tools want absolute paths, and the workspace differs between the backends (/app in Docker, a
+# temporary folder locally): its demonstrations go through its shell tool, which runs in the workspace.
+QWEN_CODE_TOOLS = DemoTools(_shell_forms("run_shell_command", "command", {"description": "Run the command"}))
+OPENCLAW_TOOLS = DemoTools({
+    "write_file": ToolForm("write", {"path": "{path}", "content": "{content}"}),
+    "read_file": ToolForm("read", {"path": "{path}"}),
+    "edit_file": ToolForm("edit", {"path": "{path}", "edits": [{"oldText": "{old}", "newText": "{new}"}]}),
+    "bash": ToolForm("exec", {"command": "{command}"}),
+})
+
 BASE_IMAGE = "bridle-base"  # every harness image is built FROM it; the oracle and the verifiers run in it
 
 HARNESSES: dict[str, Harness] = {h.name: h for h in (
     Harness("claude-code", claude_code, executable="claude", npm_package="@anthropic-ai/claude-code@2.1.197",
-            image="bridle-claude-code", container_binary="/usr/local/bin/claude"),
+            image="bridle-claude-code", container_binary="/usr/local/bin/claude",
+            image_inputs=(ImageInput("claude", paths=("@anthropic-ai/claude-code/bin/claude.exe",)),),
+            demo_tools=_fixed(CLAUDE_CODE_TOOLS)),
     Harness("codex", codex, executable="codex", npm_package="@openai/codex@0.171.0", image="bridle-codex",
-            container_binary="/usr/local/bin/codex"),
-    Harness("qwen-code", qwen_code, executable="qwen", npm_package="@qwen-code/qwen-code@0.24.4"),
-    Harness("openclaw", openclaw, executable="openclaw", npm_package="openclaw@2026.9.6"),
+            container_binary="/usr/local/bin/codex",
+            image_inputs=(
+                ImageInput("codex", paths=("@openai/codex*/vendor/{arch}-unknown-linux-musl/bin/codex",)),
+                ImageInput("rg", paths=("@openai/codex*/vendor/{arch}-unknown-linux-musl/codex-path/rg",
+                                        "@openai/codex*/vendor/{arch}-unknown-linux-musl/path/rg")),
+            ),
+            demo_tools=_fixed(CODEX_TOOLS)),
+    Harness("qwen-code", qwen_code, executable="qwen", npm_package="@qwen-code/qwen-code@0.24.4", needs_node=True,
+            image="bridle-qwen-code",
+            container_binary="/opt/qwen-code/node_modules/@qwen-code/qwen-code/cli-entry.js",
+            image_inputs=(NODE_INPUT, ImageInput("node_modules", closure="@qwen-code/qwen-code")),
+            demo_tools=_fixed(QWEN_CODE_TOOLS)),
+    Harness("openclaw", openclaw, executable="openclaw", npm_package="openclaw@2026.9.6", needs_node=True,
+            image="bridle-openclaw", container_binary="/opt/openclaw/node_modules/openclaw/openclaw.mjs",
+            image_inputs=(NODE_INPUT, ImageInput("node_modules", closure="openclaw")),
+            demo_tools=_fixed(OPENCLAW_TOOLS)),
     Harness("whitebox", whitebox, variants="SxTxOxCxWx", image="bridle-whitebox",
-            container_binary="/opt/bridle/whitebox/harness.py"),
+            container_binary="/opt/bridle/whitebox/harness.py", demo_tools=_whitebox_tools),
     Harness("oracle", oracle, image=BASE_IMAGE, needs_solution=True),
 )}
 

@@ -27,7 +27,9 @@ import msgspec
 
 from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt, Section
 from pipeline.messages import RolloutRequest, SamplingParams
-from pipeline.rollout.harness_space import HarnessConfig, design, locality_assignment, tool_name_for
+from pipeline.rollout import demonstrations
+from pipeline.rollout.harness_space import design, locality_assignment
+from pipeline.rollout.harnesses import HARNESSES, harness_for
 from pipeline.rollout.tasks import Task, load_task_dir
 
 Purpose = Literal["train", "eval", "sft"]
@@ -80,6 +82,9 @@ class SchedulerSettings(Section):
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: off
     max_new_tokens: PosInt = 256
+    # A demonstration's responses are the script's, whatever their length (a file's whole content in one tool
+    # call): their own, larger cap, so a small max_new_tokens for sampled rollouts never cuts one.
+    sft_max_new_tokens: PosInt = 1024
     timeout_s: PosFloat = 300.0
     seed: int = 0
     reloadable = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "timeout_s", "max_groups_in_flight"})
@@ -95,10 +100,12 @@ class SchedulerSettings(Section):
         if self.mode == "mix" and not self.harnesses:
             raise ConfigError(f'{exp.source}: [{name}].harnesses: mode = "mix" needs the list of harnesses')
         proxy = exp.kind_section("proxy")
-        if proxy is not None and self.max_new_tokens >= proxy[1].context_len:
-            raise ConfigError(
-                f"{exp.source}: [{name}].max_new_tokens = {self.max_new_tokens} leaves no room for a prompt within "
-                f"[{proxy[0]}].context_len = {proxy[1].context_len}; lower the first or raise the second")
+        for field_name in ("max_new_tokens", "sft_max_new_tokens") if self.sft_groups else ("max_new_tokens",):
+            value = getattr(self, field_name)
+            if proxy is not None and value >= proxy[1].context_len:
+                raise ConfigError(
+                    f"{exp.source}: [{name}].{field_name} = {value} leaves no room for a prompt within "
+                    f"[{proxy[0]}].context_len = {proxy[1].context_len}; lower the first or raise the second")
         learner = exp.kind_section("learner")
         if learner is not None and exp.run.steps == 0 and self.sft_groups == 0:
             raise ConfigError(f"{exp.source}: [run].steps = 0 and [{name}].sft_groups = 0: nothing to train; a run "
@@ -162,6 +169,17 @@ class Planner:
             self.rng.shuffle(self._order)
         return self._order.pop()
 
+    def demonstrations(self, n: int) -> list[Assignment]:
+        """The ``n`` cold-start demonstration groups. Mix mode: each task paired with every harness in turn, one
+        group per (task, harness) pair, so every harness gets its own SFT groups; otherwise ``n`` tasks with
+        ``harness``."""
+        harnesses = self.harnesses if self.mode == "mix" else [self.harness]
+        out: list[Assignment] = []
+        while len(out) < n:
+            t = self.next_task()
+            out += [Assignment(t, h, -1) for h in harnesses]
+        return out[:n]
+
     def step(self, step: int) -> list[Assignment]:
         """The B groups of training step ``step``."""
         if self.mode == "single":
@@ -183,18 +201,16 @@ class Planner:
 
 
 def oracle_script(task: Task, harness: str, final_text: str = "Done.") -> list[dict[str, Any]]:
-    """The task's oracle as scripted responses for ``harness`` (white-box only: tool names follow its T level)."""
+    """The task's oracle as scripted responses for ``harness``: its neutral actions in the harness's own tools
+    (the adapter's ``demo_tools``; pipeline/rollout/demonstrations.py), then ``final_text``."""
     if not task.oracle_actions:
         raise ValueError(f"task {task.id}: no oracle actions (solution/actions.json); cannot script a demonstration")
-    name, _, variant = harness.partition(":")
-    if name != "whitebox":
-        raise ValueError(f"oracle demonstrations are scripted for the white-box harness only, not {harness!r}")
-    cfg = HarnessConfig.parse(variant or "S0T0O0C0W0")
-    out: list[dict[str, Any]] = [
-        {"tool_calls": [{"name": tool_name_for(cfg, a.tool), "arguments": dict(a.args)}]} for a in task.oracle_actions
-    ]
-    out.append({"text": final_text})
-    return out
+    adapter, variant = harness_for(harness)
+    if adapter.demo_tools is None:
+        playable = [h.name for h in HARNESSES.values() if h.demo_tools is not None]
+        raise ValueError(f"harness {harness!r} cannot play oracle demonstrations; these can: {', '.join(playable)}")
+    actions = [(a.tool, a.args) for a in task.oracle_actions]
+    return demonstrations.script(adapter.demo_tools(variant), actions, final_text)
 
 
 def may_issue(j: int, steps_done: int, groups_per_step: int, max_staleness: int) -> bool:
@@ -238,6 +254,7 @@ class Issuer:
     in_flight: dict[str, int] = field(default_factory=dict)  # group -> rollouts not finished
     # The current step's assignments: the planner is asked once per step, in order (its RNG depends on it).
     _step_cache: dict[int, list[Assignment]] = field(default_factory=dict, repr=False)
+    _sft: list[Assignment] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.warm = self.settings.sft_groups == 0
@@ -257,9 +274,7 @@ class Issuer:
         self.train_issued = min(self.total, steps_done * self.groups_per_step)
         self.sft_issued = self.settings.sft_groups
         self.warm = False  # wait for the learner's resumed weights to reach the engine
-        if self.sft_planner is self.planner:
-            for _ in range(self.settings.sft_groups):
-                self.planner.next_task()
+        self._demonstrations()  # drawn from the training planner's stream when they share it
         for s in range(steps_done):
             self.planner.step(s)
 
@@ -289,7 +304,7 @@ class Issuer:
         pending: list[Assignment] = []
         while len(self.in_flight) < s.max_groups_in_flight:
             if self.sft_issued < s.sft_groups:
-                a = Assignment(self.sft_planner.next_task(), s.harness, -1)
+                a = self._demonstrations()[self.sft_issued]
                 out.append(self._take(f"sft{self.sft_issued:04d}", a, "sft", s.sft_group_size))
                 self.sft_issued += 1
                 continue
@@ -303,6 +318,12 @@ class Issuer:
             out.append(self._take(f"g{j:05d}{suffix}", pending.pop(0), "train", s.group_size))
             self.train_issued += 1
         return out
+
+    def _demonstrations(self) -> list[Assignment]:
+        """Every demonstration group, drawn at once on first use (before any training group, as they are issued)."""
+        if self._sft is None:
+            self._sft = self.sft_planner.demonstrations(self.settings.sft_groups)
+        return self._sft
 
     def _step_assignments(self, step: int) -> list[Assignment]:
         if step not in self._step_cache:
@@ -323,8 +344,9 @@ class Issuer:
 def rollout_requests(issue: Issue, settings: SchedulerSettings, version: int) -> list[RolloutRequest]:
     """The group's RolloutRequests, each with its own fresh rollout token; demonstrations carry the oracle script."""
     script = oracle_script(issue.assignment.task, issue.assignment.harness) if issue.purpose == "sft" else []
+    cap = settings.sft_max_new_tokens if issue.purpose == "sft" else settings.max_new_tokens
     sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                              max_new_tokens=settings.max_new_tokens, seed=None)
+                              max_new_tokens=cap, seed=None)
     a = issue.assignment
     return [RolloutRequest(
         rollout_id=f"{issue.group_id}-r{i}", group_id=issue.group_id, index=i, group_size=issue.size,

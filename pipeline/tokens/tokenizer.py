@@ -149,7 +149,9 @@ class QwenTokenizer(Tokenizer):
         return np.asarray(self.encode(text), dtype=np.int32)
 
     def decode(self, ids: IdsLike) -> str:
-        return self._enc.decode([int(i) for i in ids], errors="replace")
+        # Ids past the vocabulary (Qwen's embedding has padding rows up to 151,936) stand for no text; a model can
+        # still sample one (a randomly initialized one does). Skipped, as Hugging Face's tokenizer skips them.
+        return self._enc.decode([int(i) for i in ids if int(i) < self.vocab_size], errors="replace")
 
     def token_id(self, token: str) -> int | None:
         if token in self.specials:

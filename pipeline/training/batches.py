@@ -125,15 +125,22 @@ def micro_batches(trees: list[Tree], budget: int) -> list[MicroBatch]:
     return micros
 
 
-def model_inputs(forest: ta.TreeArrays, targets: np.ndarray, attention: str, dev: torch.device) -> dict[str, Any]:
-    """Model inputs for one micro-batch in an attention layout ("flex", "dense" or "reference")."""
+def model_inputs(forest: ta.TreeArrays, targets: np.ndarray, attention: str, dev: torch.device,
+                 chunk: int = 1024) -> dict[str, Any]:
+    """Model inputs for one micro-batch in an attention layout ("flex", "chunked" with ``chunk`` queries per
+    block, "dense" or "reference")."""
     tgt_tokens = torch.as_tensor(forest.tokens[targets], device=dev)
     if attention == "reference":
         return _reference_inputs(forest, targets, tgt_tokens, dev)
     if attention == "flex":
         forest = ta.pad_to(forest, ta.FLEX_BLOCK)
     se = torch.as_tensor(forest.subtree_end, device=dev)
-    attn = ta.flex_block_mask(se) if attention == "flex" else ta.dense_mask(se)
+    if attention == "flex":
+        attn: Any = ta.flex_block_mask(se)
+    elif attention == "chunked":
+        attn = ta.chunked_mask(se, chunk)
+    else:
+        attn = ta.dense_mask(se)
     return {
         "input_ids": torch.as_tensor(forest.tokens, device=dev)[None],
         "position_ids": torch.as_tensor(forest.positions, device=dev)[None],

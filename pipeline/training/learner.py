@@ -42,6 +42,7 @@ from pipeline.core.logs import get_logger
 from pipeline.messages import TreeGroup
 from pipeline.training import advantages as adv
 from pipeline.training import batches, losses
+from pipeline.training import tree_attention as ta
 from pipeline.training.batches import MicroBatch
 from pipeline.training.learner_config import LearnerConfig
 from pipeline.training.policy import PolicyValue, load_policy
@@ -89,8 +90,8 @@ class Learner:
         set_seed(cfg.seed)
         self.attention = cfg.attention
         if self.attention == "auto":
-            self.attention = "flex" if acc.device.type == "cuda" else "dense"
-        impl = "flex_attention" if self.attention == "flex" else "sdpa"
+            self.attention = "flex" if acc.device.type == "cuda" else "chunked"
+        impl = {"flex": "flex_attention", "chunked": ta.register_chunked()}.get(self.attention, "sdpa")
         dtype = torch.float32 if cfg.param_dtype == "float32" else torch.bfloat16
 
         self.model_path: Path | None = Path(model_path) if model_path is not None else None
@@ -281,7 +282,8 @@ class Learner:
     ) -> dict[str, torch.Tensor]:
         cfg = self.config
         return self.net(
-            **batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device),
+            **batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device,
+                                   cfg.attention_chunk),
             temperature=self._temperature(mb),
             logits_chunk=cfg.logits_chunk,
             values=values,
@@ -305,7 +307,8 @@ class Learner:
                 if ppo:
                     mb.old["value"] = out["value"].float()
             if self.reference is not None:
-                inputs = batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device)
+                inputs = batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device,
+                                              self.config.attention_chunk)
                 with self.accelerator.autocast():
                     h = self.reference.base_model(
                         input_ids=inputs["input_ids"],

@@ -49,9 +49,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # compute
     micro_batch_tokens: PosInt = 16384
     logits_chunk: PosInt = 4096  # rows of (rows x vocab) logits materialized at once
-    # auto: flex on CUDA, dense otherwise. flex runs forward-only on CPU (inductor; torch has no CPU backward);
+    # auto: flex on CUDA, chunked otherwise. flex runs forward-only on CPU (inductor; torch has no CPU backward);
+    # chunked runs attention_chunk queries at a time (memory linear in tokens); dense builds an N x N mask;
     # reference runs every root-to-leaf path as its own sequence and is for tests.
-    attention: Literal["auto", "flex", "dense", "reference"] = "auto"
+    attention: Literal["auto", "flex", "chunked", "dense", "reference"] = "auto"
+    attention_chunk: PosInt = 1024
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, no otherwise
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False

@@ -70,6 +70,10 @@ REWRITES = {
     # The previous input without a turn just before its generation prompt, then its output: OpenClaw ends every
     # request with an "internal context" user turn (active exec sessions, subagents) and drops it from history.
     "dropped_trailing_turn": "the previous call's last turn before its output is gone from this call's input",
+    # The previous call answered nothing (its end-of-turn token alone) and the harness asked again from that call's
+    # context without it (OpenClaw adds "The previous attempt did not produce a user-visible answer"). The empty
+    # answer is kept and trained like any continued call: it is the action that made the harness ask again.
+    "dropped_empty_answer": "the previous call answered nothing and this one asks again from its context",
 }
 _GEN_PROMPT_MAX = 8  # tokens between a removed trailing turn and the output (the generation prompt)
 
@@ -92,6 +96,13 @@ def _dropped_trailing_turn(x: np.ndarray, prev: _Rec, earlier: list[_Rec]) -> bo
             return removed.shape[0] <= lcp and not any(
                 _contains(removed, e.y) for e in earlier if e.y.shape[0] >= _SUMMARY_MIN // 2)
     return False
+
+
+def _dropped_empty_answer(x: np.ndarray, label: str, prev: _Rec) -> bool:
+    """Whether prev, a main-agent call, answered nothing (it stopped at its first token, the end of its turn) and
+    ``x``, another main-agent request, starts from most of prev's input."""
+    return (label == prev.call.label == "main" and prev.call.finish_reason == "stop" and prev.y.shape[0] == 1
+            and 2 * _lcp(x, prev.x) >= prev.x.shape[0] > 0)
 
 
 def build_tree(settled: SettledRollout, options: TreeOptions | None = None) -> RolloutTree:
@@ -176,6 +187,11 @@ def _join_chain(info: CallInfo, node: Node, pos: int, root: Node, recs: list[_Re
         info.n_calls = infos[j].n_calls + 1
         info.chain = infos[j].chain
         infos[j].continued = True
+    elif i > 0 and _dropped_empty_answer(x, recs[i].call.label, recs[i - 1]):
+        info.parent_call, info.rewrite = i - 1, "dropped_empty_answer"
+        info.n_calls = infos[i - 1].n_calls + 1
+        info.chain = infos[i - 1].chain
+        infos[i - 1].continued = True
     else:
         info.chain = len(chains)
         chains.append(Chain(label="main", first_seq=recs[i].call.seq))

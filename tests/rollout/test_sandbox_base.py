@@ -248,11 +248,15 @@ async def test_sandbox_gone_under_the_harness_is_sandbox_error_with_its_output(t
 
 @pytest.mark.parametrize(("harness", "want"), [
     ("nope", ('could not prepare the sandbox: ValueError: unknown harness "nope"; known: claude-code, codex, '
-              "qwen-code, openclaw, whitebox[:SxTxOxCxWx], oracle")),
-    ("qwen-code", ('could not prepare the sandbox: ValueError: harness "qwen-code" has no sandbox image yet; the '
-                   "sandboxes run claude-code, codex, whitebox[:SxTxOxCxWx], oracle")),
+              "qwen-code, openclaw, whitebox[:SxTxOxCxWx], oracle, imageless")),
+    ("imageless", ('could not prepare the sandbox: ValueError: harness "imageless" has no sandbox image yet; the '
+                   "sandboxes run claude-code, codex, qwen-code, openclaw, whitebox[:SxTxOxCxWx], oracle")),
 ])
-async def test_harness_the_sandboxes_cannot_run_is_sandbox_error_before_any_hook(task, harness, want):
+async def test_harness_the_sandboxes_cannot_run_is_sandbox_error_before_any_hook(task, harness, want, monkeypatch):
+    from pipeline.rollout import harnesses
+
+    # every shipped harness has an image; an adapter added without one is refused under both backends
+    monkeypatch.setitem(harnesses.HARNESSES, "imageless", harnesses.Harness("imageless", harnesses.oracle))
     b = Scripted()
     fin = await run(b, task, harness=harness)
     assert (fin.status, fin.details) == ("sandbox_error", want)

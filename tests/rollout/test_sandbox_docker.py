@@ -18,6 +18,7 @@ import pytest
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings
 from pipeline.rollout.sandbox.docker import LABEL
+from pipeline.rollout.scheduling import oracle_script
 from pipeline.rollout.taskgen import family_names, generate
 from pipeline.rollout.tasks import Task, materialize
 from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
@@ -252,22 +253,19 @@ async def test_whitebox_in_docker_scores_one(images, tmp_path, network):
 
 
 @pytest.mark.harness
-@pytest.mark.parametrize("harness", ["claude-code", "codex"])
-async def test_real_harness_in_its_image_scores_one(images, tmp_path, harness):
+@pytest.mark.parametrize("family", ["text_processing", "bugfix"])  # read + write; read, edit, shell
+@pytest.mark.parametrize("harness", ["claude-code", "codex", "qwen-code", "openclaw"])
+async def test_real_harness_in_its_image_scores_one(images, tmp_path, harness, family):
+    """The task's oracle in the harness's own tools (the demonstration the scheduler scripts) scores 1 in the
+    harness's image."""
     from pipeline.rollout.images import ImageError, build_all
 
     try:
         build_all((harness,))
     except ImageError as e:
         require(False, f"cannot build the {harness} image: {e}")
-    task = materialize(generate("create_file", 2), tmp_path / "task")
-    args = task.oracle_actions[0].args
-    if harness == "claude-code":
-        call = ScriptCall(name="Write", arguments={"file_path": f"/app/{args['path']}", "content": args["content"]})
-    else:
-        call = ScriptCall(name="exec_command", arguments={"cmd": f"printf %s {json.dumps(args['content'])} > "
-                                                                 f"{args['path']}"})
-    script = Script(default=[ScriptResponse(tool_calls=[call]), ScriptResponse(text="The file is written.")])
+    task = materialize(generate(family, 2), tmp_path / "task")
+    script = Script(default=msgspec.convert(oracle_script(task, harness), list[ScriptResponse]))
     sock = tmp_path / "proxy.sock"
     backend = DockerBackend()
     await backend.start()
@@ -277,7 +275,10 @@ async def test_real_harness_in_its_image_scores_one(images, tmp_path, harness):
         fin = await backend.run(req, task, proxy_url=proxy.base_url, proxy_socket=str(sock))
     await backend.aclose()
     assert (fin.status, fin.reward) == ("ok", 1.0), fin.details
-    assert sum(type(r).__name__ == "ModelCall" for r in records) >= 2
+    calls = [r for r in records if type(r).__name__ == "ModelCall"]
+    assert len(calls) >= len(script.default)
+    # the harness echoes every scripted call as it was sampled: the demonstration is history token for token
+    assert [c.rendered_turns for c in calls] == [0] * len(calls)
 
 
 async def test_missing_image_or_socket_is_sandbox_error(images, tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import sys
 import uuid
@@ -19,6 +18,7 @@ from pipeline.rollout.harnesses import HARNESSES, find_binary
 from pipeline.rollout.sandbox import LocalBackend, LocalSettings
 from pipeline.rollout.sandbox.local import MARKER_RUN, marked_pids
 from pipeline.rollout.sandbox.util import rollout_dir
+from pipeline.rollout.scheduling import oracle_script
 from pipeline.rollout.taskgen import family_names, generate
 from pipeline.rollout.tasks import Task, materialize
 from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
@@ -119,6 +119,8 @@ async def test_missing_harness_binary_is_sandbox_error(tmp_path):
     b = LocalBackend(LocalSettings(harness_bin=str(tmp_path)))
     fin = await b.run(request("claude-code", task), task, proxy_url="http://127.0.0.1:9")
     assert fin.status == "sandbox_error" and "BRIDLE_HARNESS_BIN" in fin.details
+    fin = await b.run(request("openclaw", task), task, proxy_url="http://127.0.0.1:9")
+    assert fin.status == "sandbox_error" and "npm install node-linux-" in fin.details  # and the Node it runs on
 
 
 async def test_unknown_harness_is_sandbox_error(tmp_path):
@@ -212,21 +214,27 @@ async def test_forwarder_relays_loopback_to_the_proxy_socket(tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()
 
 
+REAL_HARNESSES = ["claude-code", "codex", "qwen-code", "openclaw"]
+
+
 @pytest.mark.harness
-@pytest.mark.parametrize("harness", ["claude-code", "codex"])
-async def test_real_harness_local_scores_one(tmp_path, harness):
-    exe = find_binary(HARNESSES[harness].executable)
+@pytest.mark.parametrize("family", ["text_processing", "bugfix"])  # read + write; read, edit, shell
+@pytest.mark.parametrize("harness", REAL_HARNESSES)
+async def test_real_harness_local_scores_one(tmp_path, harness, family):
+    """The task's oracle in the harness's own tools (the demonstration the scheduler scripts) scores 1."""
+    adapter = HARNESSES[harness]
+    exe = find_binary(adapter.executable)
     require(exe is not None, f"{harness} binary not installed (set BRIDLE_HARNESS_BIN)")
-    task = materialize(generate("create_file", 4), tmp_path / "task")
-    args = task.oracle_actions[0].args
-    command = f"printf %s {json.dumps(args['content'])} > {args['path']}"
-    call = (ScriptCall(name="Bash", arguments={"command": command, "description": "write the file"})
-            if harness == "claude-code" else ScriptCall(name="exec_command", arguments={"cmd": command}))
-    script = Script(default=[ScriptResponse(tool_calls=[call]), ScriptResponse(text="The file is written.")])
+    task = materialize(generate(family, 4), tmp_path / "task")
+    script = Script(default=msgspec.convert(oracle_script(task, harness), list[ScriptResponse]))
     b = LocalBackend()
-    async with running_proxy(script) as (proxy, _records, _):
+    async with running_proxy(script) as (proxy, records, _):
         req = request(harness, task, timeout_s=240)
         proxy.register(req)
         fin = await b.run(req, task, proxy_url=proxy.base_url)
     assert (fin.status, fin.reward) == ("ok", 1.0), fin.details
+    calls = [r for r in records if type(r).__name__ == "ModelCall"]
+    assert len(calls) >= len(script.default), (len(calls), fin.details)
+    # the harness echoes every scripted call as it was sampled: the demonstration is history token for token
+    assert [c.rendered_turns for c in calls] == [0] * len(calls)
     assert leftovers(b) == []

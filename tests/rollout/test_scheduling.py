@@ -56,8 +56,8 @@ def test_oracle_script_follows_the_tool_interface(tasks):
     assert s2[0]["tool_calls"][0]["name"] != "write_file"  # opaque id under T2
     assert s0[0]["tool_calls"][0]["arguments"] == s2[0]["tool_calls"][0]["arguments"]
     assert s0[-1] == {"text": "Done."}
-    with pytest.raises(ValueError, match="white-box harness only"):
-        oracle_script(t, "codex")
+    with pytest.raises(ValueError, match="cannot play oracle demonstrations"):
+        oracle_script(t, "oracle")
 
 
 def test_staleness_bound():
@@ -137,4 +137,46 @@ def test_requests_carry_sampling_purpose_and_fresh_tokens(tasks):
     assert [r.rollout_id for r in reqs] == ["sft0000-r0", "sft0000-r1"]
     assert len({r.token for r in reqs}) == 2 and all(len(r.token) > 30 for r in reqs)
     assert all(r.script and r.purpose == "sft" and r.demonstrations == 2 for r in reqs)
-    assert reqs[0].sampling.temperature == 0.7 and reqs[0].sampling.max_new_tokens == 33
+    assert reqs[0].sampling.temperature == 0.7 and reqs[0].sampling.max_new_tokens == iss.settings.sft_max_new_tokens
+
+
+def mix_issuer(tasks, **kw):
+    from pipeline.rollout.scheduling import Issuer, SchedulerSettings
+
+    hs = ["whitebox:S0T0O0C0W0", "claude-code", "codex"]
+    s = SchedulerSettings(**{"mode": "mix", "harnesses": hs, "group_size": 2, "max_groups_in_flight": 20, **kw})
+    planner = Planner(tasks, "mix", s.harness, hs, 2, 3, seed=0)
+    return Issuer(planner, planner, s, steps=2, groups_per_step=3), hs
+
+
+def test_mix_demonstrations_pair_each_task_with_every_harness(tasks):
+    iss, hs = mix_issuer(tasks, sft_groups=7, sft_group_size=1)
+    sft = [i for i in iss.next(max_staleness=1) if i.purpose == "sft"]
+    pairs = [(i.assignment.task.id, i.assignment.harness) for i in sft]
+    assert len(pairs) == 7 and len(set(pairs)) == 7  # one group per (task, harness) pair
+    assert [h for _, h in pairs] == hs + hs + hs[:1]  # every harness in turn
+    assert len({t for t, _ in pairs[:3]}) == 1 and pairs[0][0] != pairs[3][0]
+
+
+def test_mix_resume_skips_the_demonstration_tasks(tasks):
+    first, _ = mix_issuer(tasks, sft_groups=6, sft_group_size=1)
+    first.next(max_staleness=1)
+    first.updated(version=1, step=0)
+    full = [i.assignment.task.id for i in first.next(max_staleness=5)]
+    resumed, _ = mix_issuer(tasks, sft_groups=6, sft_group_size=1)
+    resumed.resume(steps_done=0, attempt=1)
+    resumed.updated(version=1, step=0)
+    assert [i.assignment.task.id for i in resumed.next(max_staleness=5)] == full
+
+
+def test_demonstrations_get_their_own_token_cap(tasks):
+    from pipeline.rollout.scheduling import rollout_requests
+
+    iss, _ = mix_issuer(tasks, sft_groups=3, sft_group_size=1, max_new_tokens=32, sft_max_new_tokens=900)
+    sft = iss.next(max_staleness=1)[0]
+    reqs = rollout_requests(sft, iss.settings, version=0)
+    assert sft.purpose == "sft" and {r.sampling.max_new_tokens for r in reqs} == {900}
+    assert reqs[0].script[-1] == {"text": "Done."} and reqs[0].harness == "whitebox:S0T0O0C0W0"
+    iss.updated(version=1, step=0)
+    train = next(i for i in iss.next(max_staleness=1) if i.purpose == "train")
+    assert {r.sampling.max_new_tokens for r in rollout_requests(train, iss.settings, version=1)} == {32}

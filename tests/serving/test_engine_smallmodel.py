@@ -85,3 +85,40 @@ def test_bad_vocab_file_is_named(tmp_path):
 def test_bad_shape_is_refused(tmp_path):
     with pytest.raises(ValueError, match="num_heads"):
         create_small_model(tmp_path, hidden_size=30, num_heads=4)
+
+
+def test_build_model_spec_full_vocabulary(tmp_path):
+    """[experiment.build_model] vocabulary = "full": every Qwen id, no table, the asked context length."""
+    import msgspec
+
+    from pipeline.models.quickstart import ModelSpec, ensure_model
+
+    spec = msgspec.convert({"path": str(tmp_path / "full"), "vocabulary": "full", "hidden_size": 16, "num_layers": 1,
+                            "num_heads": 2, "num_kv_heads": 1, "max_position_embeddings": 32768}, ModelSpec)
+    d = ensure_model(spec)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["vocab_size"] == QWEN_VOCAB_SIZE and cfg["max_position_embeddings"] == 32768
+    assert load_vocab_table(d) is None and not (d / VOCAB_FILE).exists()
+    assert sorted(cfg["eos_token_id"]) == sorted([IM_END, ENDOFTEXT])
+    with pytest.raises(msgspec.ValidationError, match="vocabulary"):
+        msgspec.convert({"vocabulary": "tiny"}, ModelSpec)
+
+
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_mean_reply_tokens_gives_the_untrained_model_an_end_of_turn_prior(tmp_path, vocab):
+    """Without it a random model ends a turn once in the vocabulary size; with 16, about once in 16 tokens."""
+    t = VocabTable.from_sequences([list(range(1000, 3000))]) if vocab == "reduced" else None
+    rng = torch.Generator().manual_seed(1)
+    probe = torch.randint(0, t.size if t else QWEN_VOCAB_SIZE, (1, 300), generator=rng)
+    end = int(t.to_compact([IM_END])[0]) if t else IM_END
+
+    def p_end(**kw) -> torch.Tensor:
+        d = create_small_model(tmp_path / str(kw), vocab=t, hidden_size=32, num_layers=2, num_heads=2,
+                               num_kv_heads=1, **kw)
+        with torch.no_grad():
+            return torch.softmax(AutoModelForCausalLM.from_pretrained(d)(input_ids=probe).logits[0], -1)[:, end]
+
+    plain, early = p_end(), p_end(mean_reply_tokens=16)
+    n = t.size if t else QWEN_VOCAB_SIZE
+    assert float(plain.mean()) < 3 / n
+    assert 1 / 32 < float(early.mean()) < 1 / 8 and float(early.min()) > 1 / 400

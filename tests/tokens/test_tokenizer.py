@@ -64,6 +64,12 @@ def test_known_ids(qwen):
     assert qwen.vocab_size == 151669
 
 
+def test_padding_row_ids_decode_to_nothing_as_in_hf(qwen, hf):
+    """A model with Qwen's 151,936 rows can sample an id past the tokenizer (a random one does): no text, no error."""
+    ids = [9707, 151886, 1879, 151935]
+    assert qwen.decode(ids) == hf.decode(ids) == "Hello world"
+
+
 def test_hf_tokenizer_names_a_missing_folder():
     with pytest.raises(FileNotFoundError, match="tokenizer folder"):
         HFTokenizer("/nonexistent/model")

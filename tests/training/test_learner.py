@@ -69,17 +69,20 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("attention", ["dense", "chunked"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_packed_tree_equals_path_expanded_reference(case, seed):
-    """Loss and every gradient on the packed tree (dense mask, several trees per micro-batch) equal those of each
-    root-to-leaf path run alone, with shared tokens counted once, within 1e-5 in float32."""
+def test_packed_tree_equals_path_expanded_reference(case, seed, attention):
+    """Loss and every gradient on the packed tree (dense mask, or blocks of 5 queries each against the keys they
+    see; several trees per micro-batch) equal those of each root-to-leaf path run alone, with shared tokens
+    counted once, within 1e-5 in float32."""
     groups = _random_groups(seed)
     temps = TEMPERATURES.get(case, (1.0, 1.0))
     groups = [msgspec.structs.replace(g, temperature=temps[i]) for i, g in enumerate(groups)]
     model = tiny_qwen3(seed)
     sft = case == "sft"
-    tree = _learner(copy.deepcopy(model), micro_batch_tokens=10_000, **CASES[case])
+    tree = _learner(copy.deepcopy(model), micro_batch_tokens=10_000, attention=attention, attention_chunk=5,
+                    **CASES[case])
     ref = _learner(copy.deepcopy(model), attention="reference", micro_batch_tokens=1, **CASES[case])
     if case == "ppo":  # a zero value head gives the trunk no value gradient; make it count
         w = torch.randn(tree.net.value_head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.3

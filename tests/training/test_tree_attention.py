@@ -103,15 +103,16 @@ def test_random_trees_are_valid_and_paths_cover_visibility(seed, rollouts):
         assert (t.pred[p[1:]] == p[:-1]).all()
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "chunked"])
 def test_model_on_tree_matches_each_path_alone(impl):
-    """transformers honors our 4D mask and position ids: every token's hidden state in the packed tree equals its
-    hidden state when its root-to-leaf path runs alone as an ordinary causal sequence."""
+    """transformers honors our 4D mask (or our chunked attention) and position ids: every token's hidden state in
+    the packed tree equals its hidden state when its root-to-leaf path runs alone as an ordinary causal sequence."""
     model = tiny_qwen3().eval()
-    model.set_attn_implementation(impl)
+    model.set_attn_implementation(ta.register_chunked() if impl == "chunked" else impl)
     t = ta.unpack(pack_paths(random_paths(np.random.default_rng(3), 3)))
     se = torch.as_tensor(t.subtree_end)
-    mask = ta.dense_mask(se) if impl == "sdpa" else ta.dense_mask(se, torch.float32)
+    mask = {"sdpa": lambda: ta.dense_mask(se), "eager": lambda: ta.dense_mask(se, torch.float32),
+            "chunked": lambda: ta.chunked_mask(se, 4)}[impl]()
     with torch.no_grad():
         tree_h = model.model(
             input_ids=torch.as_tensor(t.tokens)[None],
@@ -121,6 +122,29 @@ def test_model_on_tree_matches_each_path_alone(impl):
         for p in ta.expand_paths(t):
             path_h = model.model(input_ids=torch.as_tensor(t.tokens[p])[None]).last_hidden_state[0]
             torch.testing.assert_close(tree_h[p], path_h, atol=1e-5, rtol=1e-5)
+
+
+@given(seed=st.integers(0, 10_000), rollouts=st.integers(1, 5), chunk=st.integers(1, 40))
+@settings(max_examples=60, deadline=None)
+def test_chunked_blocks_are_the_visibility_matrix(seed, rollouts, chunk):
+    """The blocks, put back together, are exactly the N x N visibility rule: no visible key is skipped."""
+    t = ta.unpack(pack_paths(random_paths(np.random.default_rng(seed), rollouts)))
+    se = torch.as_tensor(t.subtree_end)
+    whole = torch.zeros(len(t), len(t), dtype=torch.bool)
+    tree = ta.chunked_mask(se, chunk)["full_attention"]
+    for start, end, keys in tree.blocks():
+        mask = tree.block_mask(start, end, keys)
+        assert (end - start <= chunk) and mask.shape == (end - start, keys.shape[0])
+        whole[start:end, keys] = mask
+    assert torch.equal(whole, ta.visibility(se))
+
+
+def test_chunked_skips_finished_branches():
+    # root 0 with two branches [1, 2] and [3, 4]: queries 3..4 never see tokens 1..2
+    t = ta.unpack(pack_paths([[Item(5), Item(6), Item(7)], [Item(5), Item(8), Item(9)]]))
+    assert t.subtree_end.tolist() == [5, 3, 3, 5, 5]
+    blocks = ta.chunked_mask(torch.as_tensor(t.subtree_end), 2)["full_attention"].blocks()
+    assert [(s, e, k.tolist()) for s, e, k in blocks] == [(0, 2, [0, 1]), (2, 4, [0, 1, 2, 3]), (4, 5, [0, 3, 4])]
 
 
 def test_root_ranges_and_slices():

@@ -408,6 +408,21 @@ def test_a_removed_span_that_is_history_is_not_that_rewrite_and_is_reported_unjo
     assert "NOT JOINED: 1 segment(s)" in format_stats(tree.summary())
 
 
+def test_an_empty_answer_asked_again_continues_the_segment_and_is_trained():
+    """OpenClaw after a first answer of the end-of-turn token alone: that answer is gone, a user turn asks again."""
+    END = 99
+    tree, p = packed_of(mc(0, A + [90, 0] + G, [END]), mc(1, A + [80, 81] + [90, 1] + G, [12, 13]))
+    s = tree.stats
+    assert s.attach == {"first": 1, "rewrite:dropped_empty_answer": 1}
+    assert (s.segments, s.unjoined_segments) == (1, 0) and [c.chain for c in tree.calls] == [0, 0]
+    assert s.calls_by_fate == {"trained": 2} and s.dropped == {} and s.kept_leaves == 2
+    assert p["tokens"] == [*A, 90, 0, *G, END, 80, 81, 90, 1, *G, 12, 13]
+    assert p["trainable"] == [0] * (len(A) + 2 + len(G)) + [1] + [0] * (4 + len(G)) + [1, 1]
+    # an answer that said something is not dropped by a harness: the same shape is a new, unexplained segment
+    tree, _ = packed_of(mc(0, A + [90, 0] + G, [10, END]), mc(1, A + [80, 81] + [90, 1] + G, [12, 13]))
+    assert tree.stats.unjoined_segments == 1
+
+
 def test_a_recorded_openclaw_rollout_trains_every_tool_call():
     """tests/data/openclaw-3-tools.calls.msgpack.gz: OpenClaw 2026.9.6 writing three files through the proxy. The
     builder used to make each call a new root and relabel three of them compaction: 7 of 88 output tokens trained."""

@@ -339,7 +339,7 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         base_url = box.proxy_url.rstrip("/") if s.network == "host" else f"http://127.0.0.1:{s.forward_port}"
         ctx = LaunchContext(workspace="/app", home=CONTAINER_HOME, base_url=base_url, token=box.req.token,
                             instruction=task.instruction, model=s.model, max_turns=s.max_turns,
-                            binary=h.container_binary, python="python3",
+                            binary=h.container_binary, node=h.container_node, python="python3",
                             solution_dir="/solution" if h.needs_solution else "", whitebox_args=list(s.whitebox_args))
         box.launch = launch = h.launch(ctx, box.variant)
         cmd = launch.argv

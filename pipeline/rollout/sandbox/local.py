@@ -198,7 +198,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             binary = self._binary(h.executable)
             if not binary:
                 raise SandboxError(
-                    f"{h.name} executable not found; install it (npm install {h.npm_package}) and set "
+                    f"{h.name} executable not found; install it (npm install {' '.join(h.npm_packages)}) and set "
                     "BRIDLE_HARNESS_BIN or LocalSettings.harness_bin to the node_modules/.bin folder"
                 )
         ctx = LaunchContext(workspace=str(ws), home=str(home), base_url=box.proxy_url.rstrip("/"),
