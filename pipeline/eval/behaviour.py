@@ -27,6 +27,7 @@ import msgspec
 from pipeline.eval.estimators import Estimate, mean_ci
 from pipeline.messages import CallTrace, SettledRollout, ToolUse
 from pipeline.rollout.harness_space import CANONICAL_TOOLS, HarnessConfig, tool_name_for
+from pipeline.rollout.harnesses import HARNESSES
 
 Role = Literal["write", "edit", "read", "shell", "other"]
 RoleOf = Callable[[str], Role]  # a harness's tool name -> what the tool does
@@ -59,17 +60,6 @@ class Behaviour(msgspec.Struct, kw_only=True):
 # The white-box harness's canonical tools; its T realizations rename them (tool_name_for).
 _CANONICAL_ROLES: dict[str, Role] = {"write_file": "write", "edit_file": "edit", "read_file": "read", "bash": "shell",
                                      "python": "shell"}
-# The black-box harnesses' own tool names (as their pinned versions offer them; docs/harnesses.md).
-_BLACK_BOX_ROLES: dict[str, dict[str, Role]] = {
-    "claude-code": {"Write": "write", "Edit": "edit", "MultiEdit": "edit", "NotebookEdit": "edit", "Read": "read",
-                    "Bash": "shell"},
-    "codex": {"exec_command": "shell", "shell": "shell", "apply_patch": "edit"},
-    "qwen-code": {"write_file": "write", "edit": "edit", "replace": "edit", "read_file": "read",
-                  "read_many_files": "read", "run_shell_command": "shell"},
-    "openclaw": {"write": "write", "edit": "edit", "apply_patch": "edit", "read": "read", "exec": "shell"},
-}
-
-
 def tool_roles(harness: str) -> RoleOf:
     """What each of ``harness``'s tools does (write, edit, read, shell, other)."""
     name, _, variant = harness.partition(":")
@@ -77,8 +67,9 @@ def tool_roles(harness: str) -> RoleOf:
         cfg = HarnessConfig.parse(variant or "S0T0O0C0W0")
         table = {tool_name_for(cfg, c): _CANONICAL_ROLES.get(c, "other") for c in CANONICAL_TOOLS}
     else:
-        table = _BLACK_BOX_ROLES.get(name, {})
-    return lambda tool: table.get(tool, "other")
+        adapter = HARNESSES.get(name)
+        table = dict(adapter.tool_roles) if adapter else {}
+    return lambda tool: table.get(tool, "other")  # type: ignore[return-value]
 
 
 def target(use: ToolUse) -> str:

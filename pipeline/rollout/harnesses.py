@@ -20,7 +20,7 @@ import shlex
 import shutil
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -257,6 +257,9 @@ class Harness:
     writable: tuple[str, ...] = ()
     # Its tools for the task's neutral oracle actions, per variant (oracle demonstrations; None: it cannot play one).
     demo_tools: Callable[[str], DemoTools] | None = None
+    # What its own tools do, by name: "write", "edit", "read" or "shell" (the behavioural metrics of pipeline.eval;
+    # a tool not listed does something else). The white-box harness's depend on the variant (pipeline.eval).
+    tool_roles: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def usage(self) -> str:
@@ -343,7 +346,9 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in (
     Harness("claude-code", claude_code, executable="claude", npm_package="@anthropic-ai/claude-code@2.1.197",
             image="bridle-claude-code", container_binary="/usr/local/bin/claude",
             image_inputs=(ImageInput("claude", paths=("@anthropic-ai/claude-code/bin/claude.exe",)),),
-            demo_tools=_fixed(CLAUDE_CODE_TOOLS)),
+            demo_tools=_fixed(CLAUDE_CODE_TOOLS),
+            tool_roles={"Write": "write", "Edit": "edit", "MultiEdit": "edit", "NotebookEdit": "edit", "Read": "read",
+                        "Bash": "shell"}),
     Harness("codex", codex, executable="codex", npm_package="@openai/codex@0.171.0", image="bridle-codex",
             container_binary="/usr/local/bin/codex",
             image_inputs=(
@@ -351,16 +356,20 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in (
                 ImageInput("rg", paths=("@openai/codex*/vendor/{arch}-unknown-linux-musl/codex-path/rg",
                                         "@openai/codex*/vendor/{arch}-unknown-linux-musl/path/rg")),
             ),
-            demo_tools=_fixed(CODEX_TOOLS)),
+            demo_tools=_fixed(CODEX_TOOLS), tool_roles={"exec_command": "shell", "shell": "shell",
+                                                        "apply_patch": "edit"}),
     Harness("qwen-code", qwen_code, executable="qwen", npm_package="@qwen-code/qwen-code@0.24.4", needs_node=True,
             image="bridle-qwen-code",
             container_binary="/opt/qwen-code/node_modules/@qwen-code/qwen-code/cli-entry.js",
             image_inputs=(NODE_INPUT, ImageInput("node_modules", closure="@qwen-code/qwen-code")),
-            demo_tools=_fixed(QWEN_CODE_TOOLS)),
+            demo_tools=_fixed(QWEN_CODE_TOOLS),
+            tool_roles={"write_file": "write", "edit": "edit", "replace": "edit", "read_file": "read",
+                        "read_many_files": "read", "run_shell_command": "shell"}),
     Harness("openclaw", openclaw, executable="openclaw", npm_package="openclaw@2026.9.6", needs_node=True,
             image="bridle-openclaw", container_binary="/opt/openclaw/node_modules/openclaw/openclaw.mjs",
             image_inputs=(NODE_INPUT, ImageInput("node_modules", closure="openclaw")),
-            demo_tools=_fixed(OPENCLAW_TOOLS)),
+            demo_tools=_fixed(OPENCLAW_TOOLS),
+            tool_roles={"write": "write", "edit": "edit", "apply_patch": "edit", "read": "read", "exec": "shell"}),
     Harness("whitebox", whitebox, variants="SxTxOxCxWx", image="bridle-whitebox",
             container_binary="/opt/bridle/whitebox/harness.py", demo_tools=_whitebox_tools),
     Harness("oracle", oracle, image=BASE_IMAGE, needs_solution=True),
