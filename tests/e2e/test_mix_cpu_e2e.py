@@ -87,3 +87,13 @@ def test_mix_cpu_every_harness_through_demonstrations_sft_and_rl_then_replay(tmp
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["batches"]["replayed"] == out["batches"]["recorded"] == out["batches"]["identical"] == 3
+
+    # the trained policy evaluated through every harness on held-out tasks: in-space and out-of-space columns
+    r = run("--eval", "--experiment", "mix-cpu", "--checkpoint", str(run_dir), "--run-dir", str(tmp_path / "ev"),
+            "--set", 'monitor.display="off"', "--set", "eval.tasks.count=1", "--set", "eval.samples=1",
+            "--set", "eval.ks=[1]")
+    assert r.returncode == 0, r.stderr[-3000:]
+    columns = {ln.split("|")[2].strip() for ln in r.stdout.splitlines() if ln.startswith("| column |")}
+    assert columns == {"in-space", "out-of-space"}, r.stdout
+    rep = json.loads((tmp_path / "ev" / "eval" / "report.json").read_text())
+    assert {row["key"] for row in rep["rows"] if row["scope"] == "harness"} == set(HARNESSES)
