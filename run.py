@@ -112,6 +112,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Code and Codex images; idempotent; needs a running Docker engine and, for the npm harnesses, "
         "BRIDLE_HARNESS_BIN (see harness_images/ci_setup.sh)",
     )
+    _evaluation_args(p)
+    p.add_argument("--validate", action="store_true", help="check the experiment file and exit")
+    p.add_argument("--no-watch", action="store_true", help="do not watch the experiment file for changes")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run (also one killed with kill -9) from its last learner checkpoint, with its own "
+        "config.toml (--set applies on top), appending to its event log",
+    )
+    return p.parse_args(argv)
+
+
+def _evaluation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eval",
         action="store_true",
@@ -126,15 +139,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare", nargs=2, metavar=("EVAL_A", "EVAL_B"),
                    help="print two evaluations' pass@k and mean reward and their difference A - B with a 95 %% "
                    "interval, paired over the (task, harness) pairs both measured")
-    p.add_argument("--validate", action="store_true", help="check the experiment file and exit")
-    p.add_argument("--no-watch", action="store_true", help="do not watch the experiment file for changes")
-    p.add_argument(
-        "--resume",
-        metavar="RUN_DIR",
-        help="continue a run (also one killed with kill -9) from its last learner checkpoint, with its own "
-        "config.toml (--set applies on top), appending to its event log",
-    )
-    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
