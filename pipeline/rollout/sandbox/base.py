@@ -254,6 +254,6 @@ class _Finisher:
     def __call__(self, status: RolloutStatus, details: str = "", **kw: Any) -> RolloutFinished:
         fin = RolloutFinished(rollout_id=self.req.rollout_id, group_id=self.req.group_id, status=status,
                               details=tail(details), timings=self.timings, **kw)
-        log.info("rollout_finished", rollout=self.req.rollout_id, harness=self.req.harness, task=self.req.task_id,
+        log.debug("rollout_finished", rollout=self.req.rollout_id, harness=self.req.harness, task=self.req.task_id,
                  status=status, reward=fin.reward, exit_code=fin.exit_code)
         return fin
