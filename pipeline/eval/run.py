@@ -96,7 +96,8 @@ def write_round(res: RoundResult, out_dir: Path) -> list[Path]:
     with (out_dir / "report.md").open("a") as f:
         f.write("\n## Behaviour (main-agent calls; docs/evaluation.md)\n\n")
         f.write(behaviour_table({"all": res.behaviour, **res.by_harness}))
-        f.write(f"\nPolicy versions that sampled this round: {res.versions or 'n/a'}\n")
+        f.write(f"\nEngine weight versions that sampled this round (0: the folder the engine started from): "
+                f"{res.versions or 'n/a'}\n")
     return [*paths, beh]
 
 
