@@ -174,8 +174,9 @@ class HttpEngine:
         self.connect_timeout_s = connect_timeout_s
         self.update_retries = update_retries
         # Set by the launcher when bridle started the servers (and the router): the watchdog polls these processes
-        # instead of /health.
+        # instead of /health, unless watch_health says some servers are not among them.
         self.processes: list[EngineProcess] = []
+        self.watch_health = False
         self._session: aiohttp.ClientSession | None = None
         self._generate_url = f"{self.base_url}/generate"
         u = urlsplit(self.base_url)

@@ -3,9 +3,9 @@
 The processes bridle launched for the engine (one server; or several workers and the router in front of them) are
 watched by their exit status: the moment one exits, :func:`watch_engine` raises :class:`EngineDied` naming it, with
 its exit code and the end of its log, and the proxy actor's crash stops the run (exit code 1) before the scheduler
-issues more rollouts into a dead engine. An engine bridle only attached to (a URL, and its workers) is watched by
-``/health`` on the URL and every worker: ``failures`` probes in a row that fail (each bounded by the client's
-connect timeout) end the run the same way. Runs without weight pushes (``--serve``, evaluation) rely on this alone.
+issues more rollouts into a dead engine. An engine bridle only attached to (a URL, and its workers; or servers a
+launched router fronts) is watched by ``/health`` on the URL and every worker: ``failures`` probes in a row that
+fail (each bounded by the client's connect timeout) end the run the same way. Runs without weight pushes (``--serve``, evaluation) rely on this alone.
 """
 
 from __future__ import annotations
@@ -42,14 +42,15 @@ async def watch_engine(engine: Any, *, interval_s: float = 0.5, failures: int = 
     if not procs and not hasattr(engine, "health"):
         await anyio.sleep_forever()
     missed = 0
+    probe = not procs or getattr(engine, "watch_health", False)
     while True:
         await anyio.sleep(interval_s)
-        if procs:
-            for p in procs:
-                code = p.process.poll()
-                if code is not None:
-                    raise EngineDied(f"the {p.name} process (pid {p.process.pid}) exited with code {code}; the end "
-                                     f"of its log {p.log_path}:\n{_tail(p.log_path)}")
+        for p in procs:
+            code = p.process.poll()
+            if code is not None:
+                raise EngineDied(f"the {p.name} process (pid {p.process.pid}) exited with code {code}; the end "
+                                 f"of its log {p.log_path}:\n{_tail(p.log_path)}")
+        if not probe:
             continue
         if await engine.health():
             missed = 0
@@ -57,5 +58,5 @@ async def watch_engine(engine: Any, *, interval_s: float = 0.5, failures: int = 
         missed += 1
         log.warning("engine health probe failed", missed=missed, of=failures)
         if missed >= failures:
-            raise EngineDied(f"the engine at {getattr(engine, 'base_url', '?')} failed {missed} health probes in a "
-                             f"row ({interval_s:g} s apart)")
+            raise EngineDied(f"the engine at {getattr(engine, 'base_url', '?')} (or one of its workers) failed "
+                             f"{missed} health probes in a row ({interval_s:g} s apart)")
