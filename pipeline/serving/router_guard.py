@@ -22,7 +22,8 @@ from types import FrameType
 def _end_like(code: int) -> None:
     if code >= 0:
         sys.exit(code)
-    signal.signal(-code, signal.SIG_DFL)
+    with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP keep their default action anyway
+        signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
     sys.exit(128 - code)  # a signal whose default action does not end the process
 
