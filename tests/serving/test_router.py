@@ -210,8 +210,16 @@ def test_router_command_line():
 
 
 def test_router_flags_are_the_installed_routers():
-    """Every flag bridle passes is one the installed launch_router accepts (its --help, a real process)."""
+    """Every flag bridle passes is one the installed launch_router accepts (its --help, a real process), and the
+    installed router is the release pyproject.toml pins and router.py was checked against."""
     needs_router()
+    import importlib.metadata
+    import tomllib
+
+    assert importlib.metadata.version("sglang-router") == router.ROUTER_VERSION
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pin = f"sglang-router=={router.ROUTER_VERSION}"
+    assert extras["router"] == [pin] and pin in extras["test"]
     out = subprocess.run([sys.executable, "-m", "sglang_router.launch_router", "--help"], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     cmd = router.router_command(["http://a:1"], host="h", port=1, prometheus_port=2, policy="cache_aware")
