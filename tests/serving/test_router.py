@@ -154,6 +154,20 @@ async def test_a_dead_worker_behind_a_launched_router_fails_the_run(tmp_path):
             await w.stop()
 
 
+async def test_a_worker_the_router_cannot_reach_is_named(tmp_path):
+    needs_router()
+    ws = await workers(1)
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        with pytest.raises(TimeoutError, match=rf"did not route to \['{dead}'\] within 3s"):
+            async with router.launch_router([ws[0].url, dead], RouterSettings(timeout_s=3), kind="sglang",
+                                            log_path=tmp_path / "router.log"):
+                pass
+    finally:
+        await ws[0].stop()
+    assert "ERROR" not in (tmp_path / "router.log").read_text()  # waiting for the workers logs no error
+
+
 def test_a_killed_bridle_leaves_no_router_behind():
     """The guard stops the router when whoever started it is gone (the router cannot notice by itself)."""
     code = ("import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-m', "

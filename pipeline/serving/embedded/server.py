@@ -432,3 +432,5 @@ async def serve(args: argparse.Namespace) -> None:
     batcher.submit(Stop())
     await asyncio.to_thread(batcher.thread.join, 10)
     await app_runner.cleanup()
+    # what it served, for whoever reads the log (with several engines: how the router spread the work)
+    log.info("embedded engine stopped", weight_version=batcher.version, **batcher.stats)
