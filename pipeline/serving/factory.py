@@ -7,6 +7,7 @@ servers behind a router launched here; or attached to a running server / router)
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -44,7 +45,7 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_thinking: bool = False
     weight_version: int = 0  # the policy version the engine starts with (sent as a string)
     max_running_requests: int = 32  # embedded
-    threads: int = 0  # embedded: torch threads (0 = half the cores)
+    threads: int = 0  # embedded: torch threads per engine (0 = half the cores, shared out among the replicas)
     context_len: int = 0  # embedded: the context length (0: the model's own)
     sglang_args: list[str] = msgspec.field(default_factory=list)  # sglang: extra launch_server arguments
     log_path: str = ""  # the engine process's log (default: engine-<kind>.log in the run folder)
@@ -58,6 +59,12 @@ def fleet_problem(s: EngineSettings) -> str:
     if s.worker_urls and s.kind != "sglang":
         return f"[engine].worker_urls lists SGLang servers; kind = {s.kind!r} does not use them"
     return ""
+
+
+def engine_threads(replicas: int) -> int:
+    """Torch threads per embedded engine when ``threads = 0``: half the cores in all (oversubscribed OpenMP threads
+    are much slower; the other half serve the harnesses and the learner), shared out among the replicas."""
+    return max(1, (os.cpu_count() or 2) // 2 // replicas)
 
 
 def resolve_path(p: str) -> Path:
@@ -95,7 +102,7 @@ def _http_engine(s: EngineSettings, log_path: Path | None) -> AbstractAsyncConte
         if not s.model:
             raise ValueError("[engine].model: the embedded engine needs a HF model folder")
         options = {"weight_version": str(s.weight_version), "max_running_requests": s.max_running_requests,
-                   "threads": s.threads, "context_length": s.context_len or None}
+                   "threads": s.threads or engine_threads(s.replicas), "context_length": s.context_len or None}
         if s.replicas > 1:
             return launch_embedded_fleet(s.model, s.replicas, s.router, log_path=log_path, **options)
         return launch_embedded(s.model, log_path=log_path, **options)

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from pipeline.serving import router
 from pipeline.serving.engine import EngineSampling
-from pipeline.serving.factory import EngineSettings, fleet_problem
+from pipeline.serving.factory import EngineSettings, engine_threads, fleet_problem
 from pipeline.serving.launch import free_port
 from pipeline.serving.router import INSTALL, RouterSettings, launch_router_over, router_available
 from pipeline.serving.watchdog import EngineDied, watch_engine
@@ -255,6 +255,11 @@ def test_fleet_settings_that_cannot_work_are_refused(settings, needle):
     assert needle in fleet_problem(settings)
     assert fleet_problem(EngineSettings(kind="embedded", replicas=3)) == ""
     assert fleet_problem(EngineSettings(kind="sglang", worker_urls=["http://a:1", "http://b:2"])) == ""
+
+
+def test_replicas_share_out_half_the_cores(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert [engine_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
 
 
 def test_replicas_and_router_settings_read_from_toml():
