@@ -19,7 +19,7 @@ from pipeline.core.config import ConfigError, NonNegFloat, NonNegInt, Port, PosF
 from pipeline.core.runfiles import remove_prefixed, run_tag, safe_name
 from pipeline.core.runtime import Actor, on_emergency
 from pipeline.messages import Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
-from pipeline.serving.factory import EngineSettings, open_engine, open_renderer
+from pipeline.serving.factory import EngineSettings, fleet_problem, open_engine, open_renderer
 from pipeline.serving.proxy import Proxy, ProxySettings
 from pipeline.serving.watchdog import watch_engine
 from pipeline.tokens.render import Renderer
@@ -53,6 +53,8 @@ class ProxyActorSettings(Section):
         if self.engine.kind != "scripted" and not exp.run.model:
             raise ConfigError(f'{exp.source}: [run].model: the {self.engine.kind} engine ([{name}.engine].kind) '
                               "serves the policy in this HF folder; set it")
+        if problem := fleet_problem(self.engine):
+            raise ConfigError(f"{exp.source}: {problem.replace('[engine]', f'[{name}.engine]')}")
 
 
 class ProxyActor(Actor[ProxyActorSettings]):

@@ -13,7 +13,10 @@ and sends ``str(version)``, so :meth:`GenerateResult.spans` turns them back into
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -108,6 +111,21 @@ class EngineUnavailable(EngineError):
 
 class EngineProtocolError(EngineError):
     """The engine answered something this client cannot interpret."""
+
+
+class EngineVersionMismatch(EngineError):
+    """The workers behind one engine do not all hold the same weight version: a weight update reached some of them
+    and not others (or they were started apart). The message names each worker and its version."""
+
+
+@dataclass(frozen=True)
+class EngineProcess:
+    """A process bridle started for the engine (a server, or the router in front of several): the watchdog
+    (:mod:`pipeline.serving.watchdog`) fails the run with its exit code and the end of its log when it exits."""
+
+    name: str
+    process: subprocess.Popen
+    log_path: Path
 
 
 class Engine(Protocol):

@@ -1,21 +1,24 @@
 """Opening the policy engine an experiment asks for (``[proxy.engine]``): scripted (in-process), embedded (our
-torch server, its own process) or SGLang (launched here, or attached to a running server / router). All three are
-used through the same :class:`pipeline.serving.engine.Engine` interface; embedded and SGLang through the same HTTP
-client, :class:`pipeline.serving.sglang_client.HttpEngine`."""
+torch server, its own process; ``replicas = N`` of them behind sglang-router) or SGLang (launched here; running
+servers behind a router launched here; or attached to a running server / router). All are used through the same
+:class:`pipeline.serving.engine.Engine` interface; embedded and SGLang through the same HTTP client,
+:class:`pipeline.serving.sglang_client.HttpEngine`."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from pipeline.core.paths import REPO
 from pipeline.serving.engine import Engine
 from pipeline.serving.launch import attach, launch_embedded, launch_sglang
+from pipeline.serving.router import RouterSettings, launch_embedded_fleet, launch_router_over
 from pipeline.serving.scripted import ScriptedEngine, load_script
 from pipeline.serving.sglang_client import HttpEngine
 from pipeline.tokens.render import Renderer, load_renderer
@@ -28,7 +31,13 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = ""  # HF model folder (embedded, sglang)
     script: str = ""  # script file (scripted)
     url: str = ""  # sglang: attach to a running server or router instead of launching one
-    worker_urls: list[str] = msgspec.field(default_factory=list)  # with a router: workers get weight updates
+    # sglang: the servers behind `url` (they get the weight updates); without `url`, bridle starts sglang-router
+    # in front of them ([proxy.engine.router])
+    worker_urls: list[str] = msgspec.field(default_factory=list)
+    # embedded: this many engine processes (each its own port and copy of the weights, `threads` each) behind
+    # sglang-router ([proxy.engine.router]); weight updates go to every one
+    replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
+    router: RouterSettings = msgspec.field(default_factory=RouterSettings)
     renderer: str = "qwen3"  # "qwen3" (built-in, offline) or a folder with a HF tokenizer + chat template
     # how the model writes tool calls: "auto" (from the renderer folder's chat template / config.json) or a name in
     # pipeline/tokens/toolparse.py FORMATS ("hermes", "llama3_json", "mistral")
@@ -36,10 +45,26 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_thinking: bool = False
     weight_version: int = 0  # the policy version the engine starts with (sent as a string)
     max_running_requests: int = 32  # embedded
-    threads: int = 0  # embedded: torch threads (0 = half the cores)
+    threads: int = 0  # embedded: torch threads per engine (0 = half the cores, shared out among the replicas)
     context_len: int = 0  # embedded: the context length (0: the model's own)
     sglang_args: list[str] = msgspec.field(default_factory=list)  # sglang: extra launch_server arguments
     log_path: str = ""  # the engine process's log (default: engine-<kind>.log in the run folder)
+
+
+def fleet_problem(s: EngineSettings) -> str:
+    """What is wrong with how ``s`` asks for several engines ("" when nothing)."""
+    if s.replicas > 1 and s.kind != "embedded":
+        return (f"[engine].replicas = {s.replicas} starts several embedded engines; with kind = {s.kind!r} list "
+                "running SGLang servers in [engine].worker_urls instead (bridle starts the router in front of them)")
+    if s.worker_urls and s.kind != "sglang":
+        return f"[engine].worker_urls lists SGLang servers; kind = {s.kind!r} does not use them"
+    return ""
+
+
+def engine_threads(replicas: int) -> int:
+    """Torch threads per embedded engine when ``threads = 0``: half the cores in all (oversubscribed OpenMP threads
+    are much slower; the other half serve the harnesses and the learner), shared out among the replicas."""
+    return max(1, (os.cpu_count() or 2) // 2 // replicas)
 
 
 def resolve_path(p: str) -> Path:
@@ -60,6 +85,8 @@ async def open_engine(
     s: EngineSettings, renderer: Renderer, *, run_dir: Path | None = None
 ) -> AsyncIterator[Engine]:
     """The engine ``s`` describes, ready; a launched engine process stops when the context exits."""
+    if problem := fleet_problem(s):
+        raise ValueError(problem)
     if s.kind == "scripted":
         if not s.script:
             raise ValueError("[engine].script: the scripted engine needs a script file")
@@ -74,12 +101,15 @@ def _http_engine(s: EngineSettings, log_path: Path | None) -> AbstractAsyncConte
     if s.kind == "embedded":
         if not s.model:
             raise ValueError("[engine].model: the embedded engine needs a HF model folder")
-        return launch_embedded(
-            s.model, weight_version=str(s.weight_version), max_running_requests=s.max_running_requests,
-            threads=s.threads, context_length=s.context_len or None, log_path=log_path,
-        )
+        options = {"weight_version": str(s.weight_version), "max_running_requests": s.max_running_requests,
+                   "threads": s.threads or engine_threads(s.replicas), "context_length": s.context_len or None}
+        if s.replicas > 1:
+            return launch_embedded_fleet(s.model, s.replicas, s.router, log_path=log_path, **options)
+        return launch_embedded(s.model, log_path=log_path, **options)
     if s.url:
         return attach(s.url, worker_urls=s.worker_urls or None)
+    if s.worker_urls:
+        return launch_router_over(s.worker_urls, s.router, log_path=log_path)
     if not s.model:
         raise ValueError("[engine].model: SGLang needs a model path (or [engine].url to attach)")
     return launch_sglang(

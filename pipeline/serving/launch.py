@@ -4,6 +4,8 @@
 - :func:`launch_embedded`: ``python -m pipeline.serving.embedded`` (our torch server) on a free port.
 - :func:`attach`: an already running SGLang server or ``sglang_router`` (give the workers for control calls).
 - :func:`wait_ready`: poll a server until it answers ``/health`` and ``/model_info``.
+- :func:`process`: one child process in its own group, its output in a log file (also used for the router,
+  :mod:`pipeline.serving.router`).
 
 Each of the first three is an async context manager yielding a ready
 :class:`pipeline.serving.sglang_client.HttpEngine`; a launched process (its own process group) is terminated on
@@ -29,6 +31,7 @@ import anyio
 from pipeline.core.logs import get_logger
 from pipeline.core.paths import REPO
 from pipeline.core.runtime import on_emergency
+from pipeline.serving.engine import EngineProcess
 from pipeline.serving.sglang_client import HttpEngine
 
 log = get_logger(actor="engine_launch")
@@ -92,20 +95,16 @@ def _kill_group(pid: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _child(
-    cmd: list[str],
-    url_of: Callable[[subprocess.Popen, Path], Awaitable[str]],
-    *,
-    timeout_s: float,
-    log_path: Path | None,
-    control_urls: Sequence[str] | None = None,
-    env: dict[str, str] | None = None,
-) -> AsyncIterator[HttpEngine]:
+async def process(
+    name: str, cmd: list[str], *, log_path: Path | None, env: dict[str, str] | None = None
+) -> AsyncIterator[EngineProcess]:
+    """Run ``cmd`` in its own process group with its output in ``log_path`` (a temporary file when None, removed
+    after a clean stop); terminated (then killed) on exit, also when the run is cancelled."""
     own_log = log_path is None
     if log_path is None:
-        fd, name = tempfile.mkstemp(prefix="bridle-engine-", suffix=".log")
+        fd, tmp = tempfile.mkstemp(prefix=f"bridle-{name}-", suffix=".log")
         os.close(fd)
-        log_path = Path(name)
+        log_path = Path(tmp)
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def spawn() -> subprocess.Popen:
@@ -119,26 +118,42 @@ async def _child(
             )
 
     proc = await anyio.to_thread.run_sync(spawn)
-    log.info("engine process started", pid=proc.pid, cmd=" ".join(cmd), log=str(log_path))
+    log.info(f"{name} process started", pid=proc.pid, cmd=" ".join(cmd), log=str(log_path))
     unregister = on_emergency(lambda: _kill_group(proc.pid))
-    client: HttpEngine | None = None
     try:
-        base_url = await url_of(proc, log_path)
-        client = HttpEngine(base_url, control_urls=control_urls)
-        client.process, client.log_path = proc, log_path  # for the watchdog (pipeline/serving/watchdog.py)
-        await wait_ready(client, timeout_s=timeout_s, proc=proc, log_path=log_path)
-        yield client
+        yield EngineProcess(name, proc, log_path)
     finally:
         # Shielded: this runs when the run is cancelled (Ctrl-C, a crashed actor); without the shield the first
-        # await would re-raise the cancellation and leave the engine process running.
+        # await would re-raise the cancellation and leave the process running.
         with anyio.CancelScope(shield=True):
-            if client is not None:
-                await client.aclose()
             await anyio.to_thread.run_sync(_stop, proc)
             unregister()
-        log.info("engine process stopped", pid=proc.pid, returncode=proc.returncode)
+        log.info(f"{name} process stopped", pid=proc.pid, returncode=proc.returncode)
         if own_log and proc.returncode in (0, -signal.SIGTERM):
             log_path.unlink(missing_ok=True)
+
+
+@contextlib.asynccontextmanager
+async def _child(
+    cmd: list[str],
+    url_of: Callable[[subprocess.Popen, Path], Awaitable[str]],
+    *,
+    timeout_s: float,
+    log_path: Path | None,
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[HttpEngine]:
+    async with process("engine", cmd, log_path=log_path, env=env) as child:
+        client: HttpEngine | None = None
+        try:
+            base_url = await url_of(child.process, child.log_path)
+            client = HttpEngine(base_url)
+            client.processes = [child]  # for the watchdog (pipeline/serving/watchdog.py)
+            await wait_ready(client, timeout_s=timeout_s, proc=child.process, log_path=child.log_path)
+            yield client
+        finally:
+            if client is not None:
+                with anyio.CancelScope(shield=True):
+                    await client.aclose()
 
 
 def sglang_command(
@@ -270,12 +285,12 @@ async def launch_embedded(
 async def attach(
     base_url: str, *, worker_urls: Sequence[str] | None = None, timeout_s: float = 60.0
 ) -> AsyncIterator[HttpEngine]:
-    """A client for a running server or router; weight updates and pauses go to ``worker_urls`` when given."""
+    """A client for a running server or router; weight updates and pauses go to ``worker_urls`` when given, and
+    those must all hold the same weight version."""
     client = HttpEngine(base_url, control_urls=worker_urls)
     try:
         await wait_ready(client, timeout_s=timeout_s)
-        for url in worker_urls or ():
-            await wait_ready(HttpEngine(url), timeout_s=timeout_s)
+        await client.check_versions()
         yield client
     finally:
         await client.aclose()

@@ -59,6 +59,8 @@ CONTROL: dict[tuple[str, str], frozenset[str] | None] = {
     ("GET", "/server_info"): None,
 }
 UPDATE_WEIGHTS_REPLY = frozenset({"success", "message"})
+# GET /model_info: what the client reads of it (each worker's version, to check a weight update reached it)
+MODEL_INFO = frozenset({"weight_version"})
 PAUSE_MODES = frozenset({"abort", "retract", "in_place"})
 
 

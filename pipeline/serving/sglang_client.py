@@ -1,8 +1,12 @@
 """HTTP client for SGLang's native API; the same code path talks to SGLang and to the embedded engine.
 
 ``HttpEngine(base_url)`` sends ``/generate`` to ``base_url`` (a server or an sglang router) and control calls
-(weight updates, pause/continue) to every URL in ``control_urls`` (the workers behind a router; by default just
-``base_url``). Responses are parsed defensively: ``meta_info`` keys drift between SGLang versions, so only
+(weight updates, pause/continue, abort) to every URL in ``control_urls`` at once (the workers behind a router,
+which forwards none of them; by default just ``base_url``). A weight update returns only when every worker has
+applied it and reports the new version (``/model_info``); a worker that fails it is asked once more, then the
+update fails with :class:`~pipeline.serving.engine.EngineVersionMismatch` naming each worker's version when some
+workers moved and others did not. ``model_info`` / ``server_info`` describe the first worker. Responses are parsed
+defensively: ``meta_info`` keys drift between SGLang versions, so only
 ``finish_reason`` and, when logprobs were asked for, ``output_token_logprobs`` are required; ``weight_versions``
 (which version sampled which output tokens), when present, must be well formed. The keys sent and read are listed,
 and checked against SGLang's source, in :mod:`pipeline.serving.sglang_api`.
@@ -12,26 +16,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import uuid
-from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
-import httptools
+import anyio
 import numpy as np
 import orjson
 
 from pipeline.core.logs import get_logger
 from pipeline.serving.engine import (
     EngineBadRequest,
+    EngineError,
+    EngineProcess,
     EngineProtocolError,
     EngineSampling,
     EngineUnavailable,
+    EngineVersionMismatch,
     GenerateResult,
 )
+from pipeline.serving.http_conn import Conn, expire
 from pipeline.serving.sglang_api import FINISH_TYPES, read_weight_versions
 
 if TYPE_CHECKING:
@@ -39,6 +45,7 @@ if TYPE_CHECKING:
 
 log = get_logger(actor="engine_client")
 _JSON = {"Content-Type": "application/json"}
+T = TypeVar("T")
 
 
 def generate_body(input_ids: Sequence[int], sampling: EngineSampling, rid: str) -> dict[str, Any]:
@@ -141,96 +148,6 @@ def _error_message(text: str) -> str:
     return text.strip()[:500]
 
 
-class _Conn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection carrying one request at a time. httptools (llhttp, in C) frames the
-    response as it arrives: Content-Length, chunked, or (HTTP/1.0, no length) until the server closes."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
-        self.closed = False
-        self.got_bytes = False  # any response byte since the request was sent
-        self.reusable = False
-        self._parser = httptools.HttpResponseParser(self)
-        self._status = 0
-        self._body = bytearray()
-        self._framed = False  # the response says where its body ends (a length or chunks), not "at close"
-        self._in_body = False  # the final response's headers are in; its body may be running
-        self._complete = False
-
-    def start(self) -> asyncio.Future[tuple[int, bytes]]:
-        self._body.clear()
-        self.got_bytes = self.reusable = self._complete = self._framed = self._in_body = False
-        self._status = 0
-        self.waiter = asyncio.get_running_loop().create_future()
-        return self.waiter
-
-    # httptools callbacks (from inside feed_data)
-    def on_message_begin(self) -> None:
-        if self._complete:  # bytes after the answer: this connection cannot carry another request
-            self.reusable = False
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        n = name.lower()
-        if n == b"content-length" or (n == b"transfer-encoding" and b"chunked" in value.lower()):
-            self._framed = True
-
-    def on_headers_complete(self) -> None:
-        status = self._parser.get_status_code()
-        if 100 <= status < 200:  # an informational response (100 Continue): the real one follows
-            self._framed = False
-            return
-        self._status = status
-        self._in_body = True
-
-    def on_body(self, body: bytes) -> None:
-        self._body += body
-
-    def on_message_complete(self) -> None:
-        if not self._in_body or self._complete:
-            return
-        self._complete = True
-        self.reusable = self._parser.should_keep_alive()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.reusable = False
-        w = self.waiter
-        if w is None or w.done():
-            return
-        if self._complete or (self._in_body and not self._framed):  # the close ends a body framed "until close"
-            w.set_result((self._status, bytes(self._body)))
-        else:  # cut off mid-response: a connection failure, not a malformed reply
-            w.set_exception(exc or ConnectionResetError("the engine closed the connection"))
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        w = self.waiter
-        if w is None or w.done():  # bytes nobody asked for: this connection cannot carry another request
-            self.closed = True
-            if self.transport is not None:
-                self.transport.close()
-            return
-        try:
-            self._parser.feed_data(data)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
-            self.reusable = False
-            if not self._complete:
-                self.closed = True
-                w.set_exception(EngineProtocolError(f"malformed HTTP response from the engine: {e}"))
-                return
-        if self._complete:
-            w.set_result((self._status, bytes(self._body)))
-
-
-def _expire(waiter: asyncio.Future[Any]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
-
-
 class HttpEngine:
     """Engine client over SGLang's native HTTP API (see module docstring). Use as an async context manager
     or call :meth:`aclose`. ``timeout_s`` bounds each generation; control calls use ``control_timeout_s``.
@@ -248,15 +165,18 @@ class HttpEngine:
         timeout_s: float = 3600.0,
         control_timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
+        update_retries: int = 1,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.control_urls = [u.rstrip("/") for u in (control_urls or [self.base_url])]
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        # Set by the launcher when bridle started the server: the watchdog polls the process instead of /health.
-        self.process: subprocess.Popen | None = None
-        self.log_path: Path | None = None
+        self.update_retries = update_retries
+        # Set by the launcher when bridle started the servers (and the router): the watchdog polls these processes
+        # instead of /health, unless watch_health says some servers are not among them.
+        self.processes: list[EngineProcess] = []
+        self.watch_health = False
         self._session: aiohttp.ClientSession | None = None
         self._generate_url = f"{self.base_url}/generate"
         u = urlsplit(self.base_url)
@@ -265,7 +185,7 @@ class HttpEngine:
         # every /generate request head is this one followed by its Content-Length and a blank line
         self._generate_head = (b"POST " + f"{u.path.rstrip('/')}/generate".encode("latin-1") + b" HTTP/1.1\r\nHost: "
                                + u.netloc.encode("latin-1") + b"\r\nContent-Type: application/json\r\nContent-Length: ")
-        self._idle: list[_Conn] = []
+        self._idle: list[Conn] = []
         self._idle_loop: asyncio.AbstractEventLoop | None = None
 
     async def __aenter__(self) -> Self:
@@ -358,14 +278,14 @@ class HttpEngine:
             if conn is None:
                 try:
                     _, conn = await asyncio.wait_for(
-                        loop.create_connection(_Conn, self._host, self._port), self.connect_timeout_s
+                        loop.create_connection(Conn, self._host, self._port), self.connect_timeout_s
                     )
                 except (TimeoutError, OSError) as e:
                     raise EngineUnavailable(f"POST {url} failed: cannot connect: {type(e).__name__}: {e}") from None
             assert conn.transport is not None
             waiter = conn.start()
             ok = False
-            timer = loop.call_at(deadline, _expire, waiter)
+            timer = loop.call_at(deadline, expire, waiter)
             try:
                 conn.transport.write(head + data)  # one buffer: the request goes out in one write
                 status, raw = await waiter
@@ -389,29 +309,90 @@ class HttpEngine:
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------------------------------ control
-    async def _control(self, path: str, body: Any) -> list[Any]:
-        out = []
-        for base in self.control_urls:
-            url = f"{base}{path}"
-            status, raw = await self._request("POST", url, body)
-            out.append(self._check(url, status, raw))
+    async def _each(self, urls: Sequence[str], fn: Callable[[str], Awaitable[T]]) -> list[T | EngineError]:
+        """``fn(url)`` for every URL at once; each one's result or EngineError, in order."""
+        out: list[Any] = [None] * len(urls)
+
+        async def one(i: int, url: str) -> None:
+            try:
+                out[i] = await fn(url)
+            except EngineError as e:
+                out[i] = e
+
+        async with anyio.create_task_group() as tg:
+            for i, url in enumerate(urls):
+                tg.start_soon(one, i, url)
         return out
+
+    async def _post(self, url: str, body: Any) -> Any:
+        status, raw = await self._request("POST", url, body)
+        return self._check(url, status, raw)
+
+    async def _control(self, path: str, body: Any) -> list[Any]:
+        out = await self._each(self.control_urls, lambda base: self._post(f"{base}{path}", body))
+        for r in out:
+            if isinstance(r, EngineError):
+                raise r
+        return out
+
+    async def _update_one(self, base: str, body: dict[str, Any]) -> None:
+        url = f"{base}/update_weights_from_disk"
+        for attempt in range(self.update_retries + 1):
+            try:
+                reply = await self._post(url, body)
+                break
+            except EngineUnavailable as e:  # a timeout or a 5xx; re-applying the same weights is harmless
+                if attempt == self.update_retries:
+                    raise
+                log.warning("weight update failed; asking again", worker=base, error=str(e))
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise EngineBadRequest(f"{url}: weight update to {body['model_path']}: {reply.get('message')}")
 
     async def update_weights(
         self, path: str, version: int | str, *, abort_all_requests: bool = False
     ) -> None:
-        replies = await self._control(
-            "/update_weights_from_disk",
-            {
-                "model_path": str(path),
-                "weight_version": str(version),
-                "abort_all_requests": abort_all_requests,
-            },
-        )
-        for reply in replies:
-            if isinstance(reply, dict) and reply.get("success") is False:
-                raise EngineBadRequest(f"weight update to {path}: {reply.get('message')}")
-        log.info("engine weights updated", path=str(path), version=str(version))
+        """Load the checkpoint at ``path`` as ``version`` on every worker at once; return when all report it."""
+        body = {"model_path": str(path), "weight_version": str(version), "abort_all_requests": abort_all_requests}
+        results = await self._each(self.control_urls, lambda base: self._update_one(base, body))
+        failed = [(u, r) for u, r in zip(self.control_urls, results, strict=True) if isinstance(r, EngineError)]
+        if failed and len(failed) == len(self.control_urls):
+            raise failed[0][1]  # no worker moved: they still agree, on the old version
+        versions = await self._each(self.control_urls, self._version)
+        moved = dict(zip(self.control_urls, versions, strict=True))
+        problems = [f"{u}: {e}" for u, e in failed] + [
+            f"{u} answered success but reports version {v!r}" for u, v in moved.items()
+            if v != str(version) and not any(u == f for f, _ in failed) and not isinstance(v, Exception)]
+        if problems:
+            raise EngineVersionMismatch(
+                f"weight update to version {version} ({path}) did not reach every worker: {'; '.join(problems)}. "
+                f"The workers now hold {_describe(moved)}: they would sample the next rollouts from different "
+                "policies, so the update fails; see the failing worker's log"
+            )
+        log.info("engine weights updated", path=str(path), version=str(version), workers=len(self.control_urls))
+
+    async def _version(self, base: str) -> str:
+        url = f"{base}/model_info"
+        status, raw = await self._request("GET", url)
+        version = self._check(url, status, raw).get("weight_version")
+        if version is None:
+            raise EngineProtocolError(f"{url} reports no weight_version (SGLang has it since 0.5.0: upgrade it)")
+        return str(version)
+
+    async def worker_versions(self) -> dict[str, str]:
+        """Each worker's weight version, by URL. Raises the first worker's error if one cannot be asked."""
+        versions = await self._each(self.control_urls, self._version)
+        for v in versions:
+            if isinstance(v, EngineError):
+                raise v
+        return dict(zip(self.control_urls, versions, strict=True))  # type: ignore[arg-type]
+
+    async def check_versions(self) -> str:
+        """The workers' common weight version; EngineVersionMismatch naming each one's when they differ."""
+        versions = await self.worker_versions()
+        if len(set(versions.values())) > 1:
+            raise EngineVersionMismatch(f"the workers behind {self.base_url} hold different weight versions: "
+                                        f"{_describe(versions)}; start them from the same checkpoint and version")
+        return next(iter(versions.values()))
 
     async def pause(self, mode: Literal["abort", "retract", "in_place"] = "in_place") -> None:
         await self._control("/pause_generation", {"mode": mode})
@@ -420,23 +401,35 @@ class HttpEngine:
         await self._control("/continue_generation", {})
 
     async def abort(self, rid: str | None = None) -> None:
-        """Abort one request (its generate call returns finish_reason "abort"), or all when rid is None."""
+        """Abort one request (its generate call returns finish_reason "abort"), or all when rid is None. Behind a
+        router every worker is asked: only the one running ``rid`` has it."""
         body = {"abort_all": True} if rid is None else {"rid": rid}
         await self._control("/abort_request", body)
 
-    async def health(self) -> bool:
+    async def _healthy(self, base: str) -> bool:
         try:
-            status, _ = await self._request("GET", f"{self.base_url}/health", timeout_s=self.connect_timeout_s)
+            status, _ = await self._request("GET", f"{base}/health", timeout_s=self.connect_timeout_s)
         except EngineUnavailable:
             return False
         return status == 200
 
+    async def health(self) -> bool:
+        """Whether ``base_url`` and every worker answer /health."""
+        answers = await self._each(list(dict.fromkeys([self.base_url, *self.control_urls])), self._healthy)
+        return all(a is True for a in answers)
+
     async def model_info(self) -> dict[str, Any]:
-        url = f"{self.base_url}/model_info"
+        url = f"{self.control_urls[0]}/model_info"
         status, raw = await self._request("GET", url)
         return self._check(url, status, raw)
 
     async def server_info(self) -> dict[str, Any]:
-        url = f"{self.base_url}/server_info"
+        url = f"{self.control_urls[0]}/server_info"
         status, raw = await self._request("GET", url)
         return self._check(url, status, raw)
+
+
+def _describe(versions: Sequence[Any] | dict[str, Any]) -> str:
+    items = versions.items() if isinstance(versions, dict) else enumerate(versions)
+    return ", ".join(f"{u} -> {'unreachable (' + str(v) + ')' if isinstance(v, Exception) else repr(v)}"
+                     for u, v in items)

@@ -89,6 +89,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, Any]] = []
+        self.version = "4"
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json() if request.can_read_body else None
@@ -98,9 +99,11 @@ class Recorder:
             return web.json_response({**GENERATE_ANSWER, "meta_info": meta})
         if request.path == "/update_weights_from_disk":
             ok = body["model_path"] != "/refused"  # SGLang says 400 to a refused update; the client reads 200s too
+            if ok:
+                self.version = body["weight_version"]
             return web.json_response({"success": ok, "message": "ok" if ok else "refused", "num_paused_requests": 0})
         if request.path in ("/model_info", "/server_info"):
-            return web.json_response({"model_path": "/m", "weight_version": "4"})
+            return web.json_response({"model_path": "/m", "weight_version": self.version})
         return web.json_response({"message": "ok", "status": "ok"}) if request.method == "POST" else web.Response()
 
 
@@ -145,8 +148,9 @@ def record_client(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[str, str,
                 assert await c.health()
                 await c.model_info()
                 await c.server_info()
+                assert await c.worker_versions() == {c.base_url: "5"} and await c.check_versions() == "5"
                 made.update({"generate", "update_weights", "pause", "resume", "abort", "health", "model_info",
-                             "server_info"})
+                             "server_info", "worker_versions", "check_versions"})
         finally:
             await runner.cleanup()
 

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.serving.engine import EngineProtocolError, EngineSampling, EngineUnavailable
-from pipeline.serving.sglang_client import HttpEngine, _Conn
+from pipeline.serving.http_conn import Conn
+from pipeline.serving.sglang_client import HttpEngine
 
 ANSWER = {
     "output_ids": [7, 8],
@@ -245,7 +246,7 @@ def test_any_split_of_any_framing_gives_the_same_answer(body, framing, chunk_siz
     points = sorted({min(c, len(wire)) for c in cuts} | {0, len(wire)})
 
     async def main():
-        conn = _Conn()
+        conn = Conn()
         conn.connection_made(_Sink())
         waiter = conn.start()
         for a, b in itertools.pairwise(points):

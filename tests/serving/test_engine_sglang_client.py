@@ -16,6 +16,7 @@ from pipeline.serving.engine import (
     EngineProtocolError,
     EngineSampling,
     EngineUnavailable,
+    EngineVersionMismatch,
 )
 from pipeline.serving.launch import attach, free_port
 from pipeline.serving.sglang_client import HttpEngine, parse_generate
@@ -46,6 +47,9 @@ class FakeSGLang:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
         self.replies: dict[str, tuple[int, object]] = {}
+        self.versions: dict[int, str] = {}  # by port: each server holds its own weights
+        self.refuse: set[int] = set()  # ports that answer a weight update with a 500
+        self.stale: set[int] = set()  # ports that answer a weight update with success but keep their weights
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -58,13 +62,19 @@ class FakeSGLang:
         self.calls.append((path, body))
         if path == "/health":
             return web.Response()
+        port = request.url.port
         if path == "/model_info":
-            return web.json_response({"model_path": "/ckpt/base", "is_generation": True})
+            return web.json_response({"model_path": "/ckpt/base", "is_generation": True,
+                                      "weight_version": self.versions.get(port, "0")})
         if path == "/generate":
             status, reply = self.replies[body["rid"]]
             return web.Response(status=status, text=reply if isinstance(reply, str) else json.dumps(reply))
         if path == "/update_weights_from_disk":
+            if port in self.refuse:
+                return web.Response(status=500, text="CUDA error: out of memory")
             ok = body["model_path"] != "/bad"
+            if ok and port not in self.stale:
+                self.versions[port] = body["weight_version"]
             return web.json_response(
                 {"success": ok, "message": "" if ok else "no such checkpoint"}, status=200 if ok else 400
             )
@@ -226,10 +236,11 @@ def test_control_calls_reach_every_worker():
         await c.abort()
         with pytest.raises(EngineBadRequest, match="no such checkpoint"):
             await c.update_weights("/bad", 18)
-        return await c.health(), await c.model_info()
+        return await c.health(), await c.model_info(), await c.worker_versions()
 
-    (healthy, info), fake = run_with_fake(go, {}, n_servers=2)
+    (healthy, info, versions), fake = run_with_fake(go, {}, n_servers=2)
     assert healthy and info["model_path"] == "/ckpt/base"
+    assert list(versions.values()) == ["17", "17"]  # both refused the bad checkpoint: they still agree
     control = [(p, b) for p, b in fake.calls if p not in ("/health", "/model_info")]
     expected = [
         (
@@ -240,9 +251,43 @@ def test_control_calls_reach_every_worker():
         ("/continue_generation", {}),
         ("/abort_request", {"rid": "r1"}),
         ("/abort_request", {"abort_all": True}),
+        ("/update_weights_from_disk", {"model_path": "/bad", "weight_version": "18", "abort_all_requests": False}),
     ]
-    assert control[:10] == [c for c in expected for _ in range(2)]
-    assert control[10][0] == "/update_weights_from_disk"  # the first worker refused; no second call
+    assert control == [c for c in expected for _ in range(2)]  # every call reached both workers
+
+
+def test_an_update_that_reaches_only_some_workers_fails_naming_each_version():
+    """Worker 2 fails the update with a 500 (asked twice: one retry); worker 3 answers success but keeps its
+    weights. The update must fail, saying who holds what, never return as if the fleet had moved."""
+    async def go(c, urls):
+        fake = c.fake
+        fake.refuse.add(int(urls[1].rsplit(":", 1)[1]))
+        with pytest.raises(EngineVersionMismatch) as failed:
+            await c.update_weights("/ckpt/step_3", 3)
+        fake.refuse.clear()
+        fake.stale.add(int(urls[2].rsplit(":", 1)[1]))
+        with pytest.raises(EngineVersionMismatch) as stale:
+            await c.update_weights("/ckpt/step_4", 4)
+        return urls, str(failed.value), str(stale.value)
+
+    fake = FakeSGLang()
+
+    async def main():
+        runner, urls = await serve(fake, 3)
+        try:
+            async with HttpEngine(urls[0], control_urls=urls) as c:
+                c.fake = fake  # type: ignore[attr-defined]
+                return await go(c, urls)
+        finally:
+            await runner.cleanup()
+
+    urls, failed, stale = anyio.run(main)
+    assert f"{urls[1]}/update_weights_from_disk: HTTP 500: CUDA error: out of memory" in failed
+    assert f"{urls[0]} -> '3', {urls[1]} -> '0', {urls[2]} -> '3'" in failed
+    tries = [b for p, b in fake.calls if p == "/update_weights_from_disk" and b["weight_version"] == "3"]
+    assert len(tries) == 4  # three workers, the failing one asked again once
+    assert f"{urls[2]} answered success but reports version '3'" in stale
+    assert f"{urls[0]} -> '4', {urls[1]} -> '4', {urls[2]} -> '3'" in stale
 
 
 def test_unfinished_chunks_parse_when_allowed():
@@ -282,6 +327,22 @@ def test_attach_waits_for_a_running_server():
             await runner.cleanup()
 
     assert anyio.run(main)[0].startswith("http://127.0.0.1:")
+
+
+def test_attach_refuses_workers_on_different_versions():
+    fake = FakeSGLang()
+
+    async def main():
+        runner, urls = await serve(fake, 3)
+        fake.versions[int(urls[2].rsplit(":", 1)[1])] = "7"
+        try:
+            async with attach(urls[0], worker_urls=urls[1:], timeout_s=5):
+                pass
+        finally:
+            await runner.cleanup()
+
+    with pytest.raises(EngineVersionMismatch, match=r"different weight versions: .* -> '0', .* -> '7'"):
+        anyio.run(main)
 
 
 def test_sampling_seed_is_sent_only_when_set():

@@ -115,6 +115,7 @@ def test_control_bodies_fit_sglangs_request_classes(sglang, client_calls):
     mode = field_annotations(io, "PauseGenerationReqInput")["mode"]
     assert {m for m in api.PAUSE_MODES if accepts(mode, m)} == api.PAUSE_MODES
     assert dict_keys(handlers[("POST", "/update_weights_from_disk")]) >= api.UPDATE_WEIGHTS_REPLY
+    assert dict_keys(handlers[("GET", "/model_info")]) >= api.MODEL_INFO
 
 
 def test_sglang_answers_what_the_client_reads(sglang):

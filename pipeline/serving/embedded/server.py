@@ -4,6 +4,11 @@ Endpoints, in the shapes of SGLang's native API: ``POST /generate`` (``input_ids
 cumulative ``data:`` streaming), ``/abort_request``, ``/update_weights_from_disk``, ``/pause_generation``,
 ``/continue_generation``; ``GET /health``, ``/health_generate``, ``/model_info``, ``/server_info`` (batch
 occupancy statistics). A bad request gets a 400 whose message names the field and what to send instead.
+
+Behind ``sglang-router`` (:mod:`pipeline.serving.router`) the engine also answers what the router asks of a
+worker: ``/health``, ``/server_info`` and ``/model_info`` when it registers the worker (and ``/get_model_info``,
+``/get_server_info`` forwarded from clients), ``/flush_cache`` (forwarded to every worker; the engine keeps no
+prefix cache, so there is nothing to flush).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import uuid
@@ -21,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from pipeline.core.logs import get_logger
 from pipeline.serving.embedded.batcher import (
@@ -199,6 +206,8 @@ class EngineServer:
                 web.get("/get_model_info", self.model_info),
                 web.get("/server_info", self.server_info),
                 web.get("/get_server_info", self.server_info),
+                web.post("/flush_cache", self.flush_cache),
+                web.get("/flush_cache", self.flush_cache),
             ]
         )
         return app
@@ -352,10 +361,23 @@ class EngineServer:
             }
         )
 
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        return web.Response(text="Cache flushed.\n")  # as SGLang answers; there is no prefix cache to flush
+
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response(
             {"engine": "bridle-embedded", "torch_threads": torch.get_num_threads(), **self.batcher.info()}
         )
+
+
+class _QuietGrpcProbe(logging.Filter):
+    """sglang-router asks every worker whether it speaks gRPC (an HTTP/2 preface) before settling on HTTP; aiohttp
+    logs each probe as a request-handling error with a traceback, which would bury real errors in the engine's
+    log (the log's end is what a failed run shows)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, BadHttpMessage) and "PRI/Upgrade" in str(exc))
 
 
 def _publish_port(port_file: str, port: int) -> None:
@@ -372,6 +394,7 @@ async def serve(args: argparse.Namespace) -> None:
     batcher = Batcher(runner, version=args.weight_version, max_running=args.max_running_requests)
     batcher.thread.start()
     server = EngineServer(runner, batcher, args.model)
+    logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
     app_runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await app_runner.setup()
     site = web.TCPSite(app_runner, args.host, args.port)
@@ -409,3 +432,5 @@ async def serve(args: argparse.Namespace) -> None:
     batcher.submit(Stop())
     await asyncio.to_thread(batcher.thread.join, 10)
     await app_runner.cleanup()
+    # what it served, for whoever reads the log (with several engines: how the router spread the work)
+    log.info("embedded engine stopped", weight_version=batcher.version, **batcher.stats)
