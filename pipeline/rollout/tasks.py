@@ -66,17 +66,21 @@ class VerifierSection(_Section, kw_only=True):
 
 
 class AgentSection(_Section, kw_only=True):
-    timeout_sec: PositiveFloat = 300.0
+    timeout_sec: PositiveFloat | None = None  # the harness's wall-clock limit; also bounded by the scheduler's timeout_s
 
 
 class EnvironmentSection(_Section, kw_only=True):
+    """The sandbox a task asks for. Unset limits take the sandbox settings' values, and the Docker backend caps
+    each at its setting ([sandbox.docker] cpus, memory, pids; docs/rollout.md, "Task images")."""
+
     build_timeout_sec: PositiveFloat = 600.0
-    cpus: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    cpus: Annotated[float, msgspec.Meta(gt=0)] | None = None
     memory: str | None = None  # "4G"
     memory_mb: Annotated[int, msgspec.Meta(gt=0)] | None = None  # older tasks
+    pids: Annotated[int, msgspec.Meta(gt=0)] | None = None  # bridle's addition: the process limit
     storage: str | None = None
-    allow_internet: bool = False
-    docker_image: str | None = None
+    allow_internet: bool = False  # reported, never honoured: the agent reaches only the proxy
+    docker_image: str | None = None  # a local image to run instead of building environment/Dockerfile
 
 
 class TaskConfig(_Section, kw_only=True):
@@ -124,6 +128,11 @@ class Task(msgspec.Struct, kw_only=True):
     @property
     def environment_dir(self) -> Path:
         return self.root / "environment"
+
+    @property
+    def dockerfile(self) -> Path | None:
+        p = self.environment_dir / "Dockerfile"
+        return p if p.is_file() else None
 
     @property
     def workspace_seed(self) -> Path | None:

@@ -1,13 +1,16 @@
-"""The Docker sandbox backend: one container per rollout from the harness's image.
+"""The Docker sandbox backend: one container per rollout from the task's own image, the harness laid over it.
 
-Images come from ``pipeline/rollout/images.py`` (the tag is the harness adapter's, or ``DockerSettings.images``).
-CPU, memory and pids limits, never privileged, network ``none`` by default; the harness runs as a non-root uid
-without capabilities on a read-only root filesystem, its workspace size-capped (``hardening.py`` says exactly what
-holds). The proxy's Unix socket is bind-mounted at ``/run/bridle/proxy.sock`` and the image's forwarder relays
-``127.0.0.1:8080`` to it, so the harness reaches the policy and nothing else. The verifier runs afterwards in a
-fresh container over the same workspace with ``tests/`` mounted read-only (0700: the built-in checker's uid-65534
-child cannot read them); the harness never sees the tests, and the host reads only the reward file, through no
-link. Containers carry the labels ``bridle.run`` / ``bridle.rollout`` / ``bridle.owner``; :meth:`DockerBackend.start`
+The task's image (its ``environment/Dockerfile`` built offline, its ``docker_image``, or the base image) and the
+harness's payload (copied once out of the harness's image, ``pipeline/rollout/images.py``, and mounted read-only at
+``/opt/bridle-harness``) come from ``task_images.py``; the workspace is the image's WORKDIR, copied out and
+bind-mounted back. The task's cpus / memory / pids (capped by the settings), never privileged, network ``none`` by
+default whatever the task asks; the harness runs as a non-root uid without capabilities on a read-only root
+filesystem, its workspace size-capped (``hardening.py`` says exactly what holds). The proxy's Unix socket is
+bind-mounted at ``/run/bridle/proxy.sock`` and the forwarder relays ``127.0.0.1:8080`` to it, so the harness
+reaches the policy and nothing else. The verifier runs afterwards in a fresh container from the task's image over
+the same workspace, on ``verifier_network``, with ``tests/`` mounted read-only (0700: the built-in checker's
+uid-65534 child cannot read them); the harness never sees the tests, and the host reads only the reward file,
+through no link. Containers carry the labels ``bridle.run`` / ``bridle.rollout`` / ``bridle.owner``; :meth:`DockerBackend.start`
 removes leftovers of this run (containers, rollout directories) and of runs whose process has died, so a crash
 never leaks containers; a hard exit removes the live ones (:meth:`DockerBackend.emergency_stop`).
 """
@@ -33,7 +36,7 @@ import msgspec
 from pipeline.core.logs import get_logger
 from pipeline.core.runtime import on_emergency
 from pipeline.messages import RolloutRequest
-from pipeline.rollout.harnesses import BASE_IMAGE, LaunchContext
+from pipeline.rollout.harnesses import BASE_IMAGE, FORWARDER, PAYLOAD_MOUNT, LaunchContext
 from pipeline.rollout.sandbox.base import (
     CLEANUP_TIMEOUT_S,
     HarnessExit,
@@ -41,8 +44,8 @@ from pipeline.rollout.sandbox.base import (
     SandboxBackend,
     SandboxError,
     Verdict,
-    VerifierError,
 )
+from pipeline.rollout.sandbox.docker_verify import verify_in_container
 from pipeline.rollout.sandbox.hardening import (
     CONTAINER_HOME,
     SEED_MOUNT,
@@ -53,6 +56,13 @@ from pipeline.rollout.sandbox.hardening import (
     remove_containers_now,
     seeded,
     write_seed,
+)
+from pipeline.rollout.sandbox.task_images import (
+    TaskImage,
+    TaskImageError,
+    TaskImages,
+    TaskLimits,
+    task_limits,
 )
 from pipeline.rollout.sandbox.util import (
     parse_size,
@@ -65,8 +75,6 @@ from pipeline.rollout.sandbox.util import (
     tar_files,
 )
 from pipeline.rollout.tasks import Task, seed_workspace
-from pipeline.rollout.untrusted import RewardError, fresh_dir, read_reward
-from pipeline.rollout.verify import summarize
 
 log = get_logger(component="sandbox")
 
@@ -77,14 +85,23 @@ LABEL = "bridle.sandbox"
 class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The Docker backend: one container per rollout, limits enforced by the engine."""
 
+    # cpus, memory, pids: for a task that gives none in its [environment], and the most one may ask (capped here).
     cpus: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     memory: str = "2g"  # hard limit (swap included); the kernel OOM-kills the harness above it
     pids: Annotated[int, msgspec.Meta(gt=0)] = 512
-    # none: loopback only, the proxy through the mounted socket + forwarder; bridge: also the outside network;
-    # host: the host's network namespace, the harness uses proxy_url directly (no isolation).
+    # The agent's network, whatever the task's allow_internet says. none: loopback only, the proxy through the
+    # mounted socket + forwarder; bridge: also the outside network; host: the host's network namespace, the harness
+    # uses proxy_url directly (no isolation).
     network: Literal["none", "host", "bridge"] = "none"
-    images: dict[str, str] = msgspec.field(default_factory=dict)  # harness name -> image (default: its adapter's)
-    verifier_image: str = ""  # default: the base image
+    # test.sh's network. Harbor tasks' test.sh often installs its tools (apt, uv, pip) from the internet; a task
+    # whose tests need none is safer with "none" (workspace code that test.sh runs gets the network too).
+    verifier_network: Literal["bridge", "none"] = "bridge"
+    build_network: Literal["bridge", "none"] = "bridge"  # RUN steps of task Dockerfiles
+    # An image a task Dockerfile names that is not on this machine -> a local image built from instead (logged).
+    base_images: dict[str, str] = msgspec.field(
+        default_factory=lambda: {"debian:bookworm-slim": "bridle-rootfs:bookworm"})
+    images: dict[str, str] = msgspec.field(default_factory=dict)  # harness name -> image its payload comes from
+    verifier_image: str = ""  # default: the task's image
     forward_port: int = 8080  # the forwarder's port on the container's loopback
     workdir: str = ""  # host folder for per-rollout directories (bind-mounted; default: the system temp dir)
     # Keep each rollout's directory: app/, home/ (the harness's HOME, then bind-mounted instead of a tmpfs, with
@@ -114,6 +131,8 @@ class DockerSandbox(Sandbox):
     started_at: float = 0.0  # when its creation was asked for (the engine's events are searched from here)
     limits: list[tuple[Path, int, str]] = field(default_factory=list)  # (host folder, size cap, what it is)
     over_limit: str = ""  # why the disk watch stopped the harness
+    image: TaskImage | None = None  # the task's image, once resolved
+    task_limits: TaskLimits | None = None  # cpus / memory / pids of its containers
 
 
 class DockerBackend(SandboxBackend[DockerSandbox]):
@@ -140,6 +159,7 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         self.host = socket.gethostname()
         self._live: set[str] = set()
         self._killed: set[str] = set()
+        self.task_images = TaskImages(self)
 
     # ---------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -222,15 +242,16 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         return {LABEL: "1", "bridle.run": self.run_id, "bridle.rollout": rollout_id, "bridle.role": role,
                 "bridle.host": self.host, "bridle.owner": str(os.getpid())}
 
-    def _host_config(self, binds: list[str], network: str) -> dict[str, Any]:
+    def _host_config(self, binds: list[str], network: str, limits: TaskLimits | None = None) -> dict[str, Any]:
         s = self.settings
+        cpus, memory, pids = (limits.cpus, limits.memory, limits.pids) if limits else (s.cpus, self.memory_bytes, s.pids)
         return {
             "Binds": binds,
             "NetworkMode": network,
-            "NanoCpus": int(s.cpus * 1e9),
-            "Memory": self.memory_bytes,
-            "MemorySwap": self.memory_bytes,  # no swap beyond the limit
-            "PidsLimit": s.pids,
+            "NanoCpus": int(cpus * 1e9),
+            "Memory": memory,
+            "MemorySwap": memory,  # no swap beyond the limit
+            "PidsLimit": pids,
             "Privileged": False,
             "SecurityOpt": ["no-new-privileges"],
             "CapDrop": ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SYS_CHROOT", "SETFCAP"],
@@ -314,21 +335,43 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
     async def prepare(self, box: DockerSandbox) -> None:
         if self.docker is None:
             raise RuntimeError("DockerBackend.run() before start(); call `await backend.start()` first")
-        # In a worker thread: seeding the workspace copies files, which must not stall the other rollouts.
-        await anyio.to_thread.run_sync(self._lay_out, box)
-
-    def _lay_out(self, box: DockerSandbox) -> None:
-        s, h, task = self.settings, box.harness, box.task
+        h, s = box.harness, self.settings
         if s.network != "host" and not (box.proxy_socket and Path(box.proxy_socket).exists()):
             raise SandboxError(f"network {s.network!r} reaches the proxy through its Unix socket, but "
                                f"proxy_socket={box.proxy_socket!r} does not exist; set ProxySettings.unix_socket "
                                "(or DockerSettings.network='host')")
+        try:
+            box.image = await self.task_images.resolve(box.task)
+            payload = await self.task_images.payload(h)
+        except TaskImageError as e:
+            raise SandboxError(str(e)) from None
+        # In a worker thread: seeding the workspace copies files, which must not stall the other rollouts.
+        await anyio.to_thread.run_sync(self._lay_out, box, payload)
+
+    def _task_notes(self, box: DockerSandbox) -> TaskLimits:
+        s, task = self.settings, box.task
+        limits = task_limits(task, cpus=s.cpus, memory=self.memory_bytes, pids=s.pids)
+        box.notes.extend(limits.notes)
+        if task.config.environment.allow_internet and s.network == "none":
+            box.notes.append('the task asks allow_internet = true; not honoured: the agent reaches only the proxy '
+                             '([sandbox.docker] network = "none")')
+        return limits
+
+    def _lay_out(self, box: DockerSandbox, payload: Path) -> None:
+        s, h, task, image = self.settings, box.harness, box.task, box.image
+        assert image is not None
+        # The forwarder runs for every harness the image can run it for (python3), so that every sandbox looks the
+        # same from inside; a harness that talks to the policy needs it (_check_image), the oracle does not.
+        forward = s.network != "host" and (h.uses_proxy or image.python3)
+        box.task_limits = limits = self._task_notes(box)
         storage = parse_size(task.config.environment.storage, f"{task.root / 'task.toml'}: [environment] storage")
         box.root = root = rollout_dir(s.workdir, self.run_id, box.req.rollout_id)
-        ws = root / "app"
-        seed_workspace(task, ws)
-        binds = [f"{ws}:/app"]
-        box.limits = [(ws, storage or self.storage_bytes, "the workspace (/app)")]
+        ws, wd = root / "app", image.workdir
+        shutil.copytree(image.workspace, ws, symlinks=True)
+        if image.seed:
+            seed_workspace(task, ws)
+        binds = [f"{ws}:{wd}"]
+        box.limits = [(ws, storage or self.storage_bytes, f"the workspace ({wd})")]
         if h.needs_solution:
             shutil.copytree(task.root / "solution", root / "solution", symlinks=True)
             binds.append(f"{root / 'solution'}:/solution:ro")
@@ -336,31 +379,35 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
             (root / "home").mkdir(mode=0o700)
             binds.append(f"{root / 'home'}:{CONTAINER_HOME}")
             box.limits.append((root / "home", self.home_bytes, f"the harness's HOME ({CONTAINER_HOME})"))
+        binds.append(f"{payload}:{PAYLOAD_MOUNT}:ro")
         base_url = box.proxy_url.rstrip("/") if s.network == "host" else f"http://127.0.0.1:{s.forward_port}"
-        ctx = LaunchContext(workspace="/app", home=CONTAINER_HOME, base_url=base_url, token=box.req.token,
+        ctx = LaunchContext(workspace=wd, home=CONTAINER_HOME, base_url=base_url, token=box.req.token,
                             instruction=task.instruction, model=s.model, max_turns=s.max_turns,
-                            binary=h.container_binary, node=h.container_node, python="python3",
+                            binary=PAYLOAD_MOUNT + h.container_binary if h.container_binary else "",
+                            node=PAYLOAD_MOUNT + h.container_node if h.container_node else "", python="python3",
                             solution_dir="/solution" if h.needs_solution else "", whitebox_args=list(s.whitebox_args))
         box.launch = launch = h.launch(ctx, box.variant)
         cmd = launch.argv
-        if s.network != "host":
-            cmd = ["python3", "/opt/bridle/forwarder.py", "--listen", f"127.0.0.1:{s.forward_port}",
+        if forward:
+            cmd = ["python3", PAYLOAD_MOUNT + FORWARDER, "--listen", f"127.0.0.1:{s.forward_port}",
                    "--socket", CONTAINER_SOCKET, "--", *cmd]
             binds.append(f"{Path(box.proxy_socket).resolve()}:{CONTAINER_SOCKET}")
-        if write_seed(launch.files, root / "seed", ("/app", "/tmp", CONTAINER_HOME, *h.writable)):
+        if write_seed(launch.files, root / "seed", (wd, "/tmp", CONTAINER_HOME, *h.writable)):
             cmd = seeded(cmd)
             binds.append(f"{root / 'seed'}:{SEED_MOUNT}:ro")
+        _check_image(image, task, h.name, cmd)
         for part in ("app", "home", "seed", "solution"):
             if (root / part).exists():
                 give_to(root / part, *self.user)
         box.config = {
-            "Image": s.images.get(h.name) or h.image,
+            "Image": image.ref,
+            "Entrypoint": [],  # the task image's own ENTRYPOINT must not wrap the harness
             "Cmd": cmd,
             "User": "{}:{}".format(*self.user),
             "Env": [f"{k}={v}" for k, v in launch.env.items()],
-            "WorkingDir": "/app",
+            "WorkingDir": wd,
             "Labels": self._labels(box.req, "harness"),
-            "HostConfig": {**self._host_config(binds, s.network), **harness_host_config(
+            "HostConfig": {**self._host_config(binds, s.network, limits), **harness_host_config(
                 user=self.user, home="" if s.keep_workspaces else CONTAINER_HOME, writable=h.writable,
                 tmp_bytes=self.tmp_bytes, home_bytes=self.home_bytes, open_files=s.open_files,
                 file_bytes=min(self.file_bytes, box.limits[0][1]))},
@@ -425,57 +472,7 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         await self._remove(box.container.id)
 
     async def verify(self, box: DockerSandbox) -> Verdict:
-        """Run tests/test.sh as root in a fresh container over the workspace, with tests/ read-only and 0700.
-
-        test.sh is the task author's (trusted); the built-in tasks' checker runs workspace code in a child as uid
-        65534, which can read neither /tests nor /logs (both 0700). The reward file is read on the host without
-        following links; test.sh's output stays in logs/verifier/test-stdout.txt and never reaches the details.
-        """
-        import aiodocker
-
-        assert box.root is not None
-        root, task = box.root, box.task
-        tests, logs = await anyio.to_thread.run_sync(_verifier_dirs, root, task)
-        limit_s = task.config.verifier.timeout_sec
-        config = {
-            "Image": self.settings.verifier_image or BASE_IMAGE,
-            "Cmd": ["bash", "-c", "bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1"],
-            "Env": [f"{k}={v}" for k, v in task.config.verifier.env.items()],
-            "User": "0:0",
-            "WorkingDir": "/app",
-            "Labels": self._labels(box.req, "verifier"),
-            "HostConfig": self._verifier_host_config(
-                [f"{root / 'app'}:/app", f"{tests}:/tests:ro", f"{logs}:/logs"]
-            ),
-        }
-        try:
-            c = await self._create_start(config, {}, box.containers)
-        except (aiodocker.DockerError, TimeoutError) as e:
-            raise VerifierError(f"could not start the verifier container ({config['Image']}): {e}") from None
-        try:
-            timed_out, state = await self._wait(c, limit_s)
-        except SandboxError as e:
-            raise VerifierError(f"verifier container failed: {e}") from None
-        await self._remove(c.id)
-        if timed_out:
-            raise VerifierError(f"test.sh timed out after {limit_s:g}s")
-        code = state.get("ExitCode")
-        try:
-            reward, parts = await anyio.to_thread.run_sync(read_reward, logs / "verifier")
-        except RewardError as e:
-            raise VerifierError(f"{e} (test.sh exit code {code})") from None
-        rewards = {**parts, "rule": reward}
-        return Verdict(reward=reward, rewards=rewards, summary=summarize(reward, rewards, code))
-
-    def _verifier_host_config(self, binds: list[str]) -> dict[str, Any]:
-        """The harness's limits, but root with just what the trusted checker needs: read the 0700 tests/ and write
-        logs/ whoever owns them on the host (DAC_OVERRIDE), and drop its child to another uid (SETUID, SETGID)."""
-        return {
-            **self._host_config(binds, "none"),
-            "CapDrop": ["ALL"],
-            "CapAdd": ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID", "KILL"],
-            "ReadonlyRootfs": False,  # the checker copies the workspace to /tmp for its child
-        }
+        return await verify_in_container(self, box)
 
     async def cleanup(self, box: DockerSandbox) -> None:
         for c in box.containers:
@@ -508,15 +505,13 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
                 await self._remove(c.id)
 
 
-def _verifier_dirs(root: Path, task: Task) -> tuple[Path, Path]:
-    """(tests, logs) for the verifier container: a fresh copy of the task's tests/ and an empty logs/verifier/,
-    both 0700 (root in the container reaches them; its uid-65534 child does not)."""
-    tests, logs = root / "tests", root / "logs"
-    fresh_dir(tests)
-    tests.rmdir()
-    shutil.copytree(task.tests_dir, tests, symlinks=True)
-    tests.chmod(0o700)
-    fresh_dir(logs, 0o700)
-    fresh_dir(logs / "verifier", 0o700)
-    return tests, logs
-
+def _check_image(image: TaskImage, task: Task, harness: str, cmd: list[str]) -> None:
+    """Refuse a harness command the task's image cannot run: python3 for the forwarder, the launcher's config files
+    and the white-box harness; bash for the oracle's solve.sh."""
+    if cmd[0] == "python3" and not image.python3:
+        raise SandboxError(f"the task image {image.ref} (task {task.id}) has no python3, which the {harness} harness "
+                           "needs in Docker: bridle's forwarder (its only way to the proxy) and launcher are python3 "
+                           "scripts; add python3 to the task's environment/Dockerfile")
+    if cmd[0] == "bash" and not image.bash:
+        raise SandboxError(f"the task image {image.ref} (task {task.id}) has no bash, which runs solution/solve.sh; "
+                           "add bash to the task's environment/Dockerfile")
