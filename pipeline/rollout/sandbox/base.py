@@ -197,7 +197,7 @@ class SandboxBackend(ABC, Generic[S]):
             output = await self.logs(box)
             await self.release(box)
             t.harness_done = time.time()
-            failed = self._harness_failed(ended, output)
+            failed = self._harness_failed(ended, output, box)
             if failed is not None:
                 return finish(*failed, exit_code=ended.exit_code)
 
@@ -228,13 +228,18 @@ class SandboxBackend(ABC, Generic[S]):
         summary = f"{j.note}; verifier: {verdict.summary}" if j.note else verdict.summary
         return Verdict(reward=j.reward, rewards=j.rewards, summary=summary)
 
-    def _harness_failed(self, ended: HarnessExit, output: str) -> tuple[RolloutStatus, str] | None:
+    def memory_limit_of(self, box: S) -> str | None:
+        """The memory limit ``box``'s harness ran under, in words (a backend whose limit depends on the task
+        overrides this)."""
+        return self.memory_limit
+
+    def _harness_failed(self, ended: HarnessExit, output: str, box: S) -> tuple[RolloutStatus, str] | None:
         """(status, details) when the way the harness ended leaves nothing to verify; None when the workspace is
         to be scored (it exited 0, or ran out of time)."""
         if ended.timed_out:
             return None
         if ended.out_of_memory:
-            return "harness_error", f"the harness ran out of memory (limit {self.memory_limit}):\n{output}"
+            return "harness_error", f"the harness ran out of memory (limit {self.memory_limit_of(box)}):\n{output}"
         if ended.killed_from_outside:
             return "sandbox_error", f"the sandbox was killed from outside:\n{output}"
         if ended.exit_code != 0:

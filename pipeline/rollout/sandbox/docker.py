@@ -336,7 +336,7 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         if self.docker is None:
             raise RuntimeError("DockerBackend.run() before start(); call `await backend.start()` first")
         h, s = box.harness, self.settings
-        if s.network != "host" and not (box.proxy_socket and Path(box.proxy_socket).exists()):
+        if s.network != "host" and not (box.proxy_socket and await anyio.Path(box.proxy_socket).exists()):
             raise SandboxError(f"network {s.network!r} reaches the proxy through its Unix socket, but "
                                f"proxy_socket={box.proxy_socket!r} does not exist; set ProxySettings.unix_socket "
                                "(or DockerSettings.network='host')")
@@ -449,6 +449,9 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         outside = not timed_out and exit_code == 137 and await self._killed_from_outside(c, box.started_at)
         return HarnessExit(timed_out=timed_out, exit_code=exit_code, out_of_memory=bool(state.get("OOMKilled")),
                            killed_from_outside=outside)
+
+    def memory_limit_of(self, box: DockerSandbox) -> str | None:
+        return f"{box.task_limits.memory >> 20}m" if box.task_limits else self.memory_limit
 
     async def logs(self, box: DockerSandbox) -> str:
         return await self._logs(box.container) if box.container is not None else ""

@@ -53,9 +53,14 @@ def instructions(text: str) -> list[Instruction]:
         first, parts = i, []
         while True:
             line = lines[i].rstrip()
+            if i > first and (not line.strip() or line.strip().startswith("#")):
+                # A comment or blank line inside a continuation is skipped; the instruction goes on after it.
+                if i + 1 >= len(lines):
+                    break
+                i += 1
+                continue
             cont = line.endswith("\\")
-            if not (i > first and line.strip().startswith("#")):  # comment lines inside a continuation are skipped
-                parts.append(line[:-1] if cont else line)
+            parts.append(line[:-1] if cont else line)
             if not cont or i + 1 >= len(lines):
                 break
             i += 1

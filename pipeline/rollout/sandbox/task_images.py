@@ -46,7 +46,7 @@ from pipeline.rollout.harnesses import BASE_IMAGE, FORWARDER, Harness
 from pipeline.rollout.images import cache_dir
 from pipeline.rollout.sandbox.base import SandboxError
 from pipeline.rollout.sandbox.dockerfile import DockerfileError, base_images, substitute
-from pipeline.rollout.sandbox.util import parse_size
+from pipeline.rollout.sandbox.util import parse_size, rmtree
 from pipeline.rollout.tasks import Task
 from pipeline.rollout.untrusted import printable
 
@@ -304,14 +304,13 @@ class TaskImages:
     async def _unpack(self, ref: str, image_id: str, workdir: str) -> tuple[Path, dict[str, bool]]:
         """(the WORKDIR's content, {python3, bash}) of the image, from the cache or a helper container."""
         dest = self.cache / "task-workspaces" / image_id.removeprefix("sha256:")[:32]
+        probe = dest / "probe.json"
         async with self._locks[f"unpack:{dest}"]:
-            if not (dest / "probe.json").is_file():
+            if not await anyio.Path(probe).is_file():
                 out = await self._helper(ref, ["sh", "-c", _UNPACK, "sh", workdir, f"{os.getuid()}:{os.getgid()}"],
                                          dest, what=f"copy the workspace ({workdir}) out of the task image {ref}")
-                probe = {k: bool((out / k).read_text().strip()) for k in ("python3", "bash")}
-                (out / "probe.json").write_text(json.dumps(probe))
-                await anyio.to_thread.run_sync(_publish, out, dest)
-        return dest / "ws", json.loads((dest / "probe.json").read_text())
+                await anyio.to_thread.run_sync(_publish_workspace, out, dest)
+        return dest / "ws", json.loads(await anyio.Path(probe).read_text())
 
     # ----------------------------------------------------------------------------------------- payloads
     async def payload(self, harness: Harness) -> Path:
@@ -323,7 +322,7 @@ class TaskImages:
                                  "--build-images`")
         dest = self.cache / "payloads" / f"{harness.name}-{info['Id'].removeprefix('sha256:')[:32]}"
         async with self._locks[f"payload:{dest}"]:
-            if not dest.is_dir():
+            if not await anyio.Path(dest).is_dir():
                 paths = [*harness.payload, FORWARDER]
                 out = await self._helper(image, ["sh", "-c", _PAYLOAD, "sh", f"{os.getuid()}:{os.getgid()}", *paths],
                                          dest, what=f"copy the {harness.name} harness out of {image}")
@@ -335,8 +334,7 @@ class TaskImages:
         return that folder once the command succeeded."""
         import aiodocker
 
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        out = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        out = await anyio.to_thread.run_sync(_fresh_beside, dest)
         b = self.backend
         config = {
             "Image": image, "Entrypoint": [], "Cmd": cmd, "User": "0:0", "WorkingDir": "/",
@@ -350,20 +348,34 @@ class TaskImages:
             timed_out, state = await b._wait(c, 600.0)
             logs = await b._logs(c)
         except (aiodocker.DockerError, TimeoutError, SandboxError) as e:
-            shutil.rmtree(out, ignore_errors=True)
+            await anyio.to_thread.run_sync(rmtree, out)
             raise TaskImageError(f"could not {what}: {e}") from None
         except BaseException:
-            shutil.rmtree(out, ignore_errors=True)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(rmtree, out)
             raise
         finally:
             for c in owned:
                 await b._remove(c.id)
         if timed_out or state.get("ExitCode") != 0:
-            shutil.rmtree(out, ignore_errors=True)
+            await anyio.to_thread.run_sync(rmtree, out)
             raise TaskImageError(f"could not {what}: the helper container "
                                  f"{'timed out' if timed_out else 'exited with ' + str(state.get('ExitCode'))}: "
                                  f"{printable(logs)[-500:]}")
         return out
+
+
+def _fresh_beside(dest: Path) -> Path:
+    """A new empty folder next to ``dest`` (so that moving it there is a rename)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+
+
+def _publish_workspace(out: Path, dest: Path) -> None:
+    """Record what the helper found (python3, bash) and move the copy into place."""
+    probe = {k: bool((out / k).read_text().strip()) for k in ("python3", "bash")}
+    (out / "probe.json").write_text(json.dumps(probe))
+    _publish(out, dest)
 
 
 def _publish(tmp: Path, dest: Path) -> None:
