@@ -181,6 +181,10 @@ async def test_missing_base_image_is_a_clear_error(sandbox, tmp_path):
                            "RUN apt-get update && apt-get install -y curl\n")
     fin = await run("oracle", offline, "r3")
     assert fin.status == "sandbox_error" and 'build_network = "none"' in fin.details, fin.details
+    # an environment of several containers is refused, not half-run
+    compose = harbor_task(tmp_path, "greeting", files={"environment/docker-compose.yaml": "services: {}\n"})
+    fin = await run("oracle", compose, "r4")
+    assert fin.status == "sandbox_error" and "docker-compose.yaml" in fin.details and "not supported" in fin.details
 
 
 async def test_python_less_image_runs_the_oracle_but_refuses_a_harness(sandbox, tmp_path):
@@ -345,3 +349,25 @@ async def test_black_box_harness_on_the_task_image(images, tmp_path):
     assert finished["demo-calls"] >= 2 and finished["idle-calls"] >= 1
     assert after.image_id == before.image_id and not after.built
     assert containers_of(backend.run_id) == []
+
+
+# --------------------------------------------------------------------------------------- oracle check
+def test_oracle_check_command(images, tmp_path):
+    """`python -m pipeline.rollout.oracle_check` over a folder: a table, exit 1 while one oracle scores 0."""
+    import subprocess
+    import sys
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    shutil.copytree(HARBOR / "greeting", tasks / "greeting")
+    shutil.copytree(HARBOR / "greeting", tasks / "greeting-wrong")
+    (tasks / "greeting-wrong" / "solution" / "solve.sh").write_text("echo nope > out.txt\n")
+    argv = [sys.executable, "-m", "pipeline.rollout.oracle_check", str(tasks), "--verifier-network", "none",
+            "--build-network", "none"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 1, p.stdout + p.stderr
+    rows = {line.split()[0]: line.split()[1:3] for line in p.stdout.splitlines()[1:-1]}
+    assert rows == {"greeting": ["ok", "1"], "greeting-wrong": ["ok", "0"]}, p.stdout
+    assert p.stdout.splitlines()[-1] == "1 of 2 oracle solutions scored 1"
+    shutil.rmtree(tasks / "greeting-wrong")
+    assert subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False).returncode == 0

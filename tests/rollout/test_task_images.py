@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.sandbox.base import harness_limit
+from pipeline.rollout.sandbox.container import task_limits
 from pipeline.rollout.sandbox.dockerfile import DockerfileError, base_images, instructions, substitute
-from pipeline.rollout.sandbox.task_images import context_key, network_failure, task_limits, write_context
+from pipeline.rollout.sandbox.task_images import context_key, network_failure, write_context
 from pipeline.rollout.tasks import AgentSection, EnvironmentSection, Task, TaskConfig
 
 

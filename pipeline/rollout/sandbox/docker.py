@@ -9,10 +9,11 @@ filesystem, its workspace size-capped (``hardening.py`` says exactly what holds)
 bind-mounted at ``/run/bridle/proxy.sock`` and the forwarder relays ``127.0.0.1:8080`` to it, so the harness
 reaches the policy and nothing else. The verifier runs afterwards in a fresh container from the task's image over
 the same workspace, on ``verifier_network``, with ``tests/`` mounted read-only (0700: the built-in checker's
-uid-65534 child cannot read them); the harness never sees the tests, and the host reads only the reward file,
-through no link. Containers carry the labels ``bridle.run`` / ``bridle.rollout`` / ``bridle.owner``; :meth:`DockerBackend.start`
-removes leftovers of this run (containers, rollout directories) and of runs whose process has died, so a crash
-never leaks containers; a hard exit removes the live ones (:meth:`DockerBackend.emergency_stop`).
+uid-65534 child cannot read them; ``docker_verify.py``); the harness never sees the tests, and the host reads only
+the reward file, through no link. Containers carry the labels ``bridle.run`` / ``bridle.rollout`` /
+``bridle.owner``; :meth:`DockerBackend.start` removes leftovers of this run (containers, rollout directories) and
+of runs whose process has died, so a crash never leaks containers; a hard exit removes the live ones
+(:meth:`DockerBackend.emergency_stop`). The engine calls every container goes through: ``container.py``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import aiohttp
 import anyio
-import msgspec
 
 from pipeline.core.logs import get_logger
 from pipeline.core.runtime import on_emergency
@@ -40,10 +39,18 @@ from pipeline.rollout.harnesses import BASE_IMAGE, FORWARDER, PAYLOAD_MOUNT, Lau
 from pipeline.rollout.sandbox.base import (
     CLEANUP_TIMEOUT_S,
     HarnessExit,
-    Sandbox,
     SandboxBackend,
     SandboxError,
     Verdict,
+)
+from pipeline.rollout.sandbox.container import (
+    LABEL,
+    DockerEngine,
+    DockerSandbox,
+    DockerSettings,
+    TaskImage,
+    TaskLimits,
+    task_limits,
 )
 from pipeline.rollout.sandbox.docker_verify import verify_in_container
 from pipeline.rollout.sandbox.hardening import (
@@ -57,13 +64,7 @@ from pipeline.rollout.sandbox.hardening import (
     seeded,
     write_seed,
 )
-from pipeline.rollout.sandbox.task_images import (
-    TaskImage,
-    TaskImageError,
-    TaskImages,
-    TaskLimits,
-    task_limits,
-)
+from pipeline.rollout.sandbox.task_images import TaskImageError, TaskImages
 from pipeline.rollout.sandbox.util import (
     parse_size,
     pid_alive,
@@ -71,72 +72,16 @@ from pipeline.rollout.sandbox.util import (
     rmtree,
     rollout_dir,
     run_prefix,
-    tail,
-    tar_files,
 )
 from pipeline.rollout.tasks import Task, seed_workspace
 
 log = get_logger(component="sandbox")
 
 CONTAINER_SOCKET = "/run/bridle/proxy.sock"
-LABEL = "bridle.sandbox"
 
 
-class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The Docker backend: one container per rollout, limits enforced by the engine."""
-
-    # cpus, memory, pids: for a task that gives none in its [environment], and the most one may ask (capped here).
-    cpus: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    memory: str = "2g"  # hard limit (swap included); the kernel OOM-kills the harness above it
-    pids: Annotated[int, msgspec.Meta(gt=0)] = 512
-    # The agent's network, whatever the task's allow_internet says. none: loopback only, the proxy through the
-    # mounted socket + forwarder; bridge: also the outside network; host: the host's network namespace, the harness
-    # uses proxy_url directly (no isolation).
-    network: Literal["none", "host", "bridge"] = "none"
-    # test.sh's network. Harbor tasks' test.sh often installs its tools (apt, uv, pip) from the internet; a task
-    # whose tests need none is safer with "none" (workspace code that test.sh runs gets the network too).
-    verifier_network: Literal["bridge", "none"] = "bridge"
-    build_network: Literal["bridge", "none"] = "bridge"  # RUN steps of task Dockerfiles
-    # An image a task Dockerfile names that is not on this machine -> a local image built from instead (logged).
-    base_images: dict[str, str] = msgspec.field(
-        default_factory=lambda: {"debian:bookworm-slim": "bridle-rootfs:bookworm"})
-    images: dict[str, str] = msgspec.field(default_factory=dict)  # harness name -> image its payload comes from
-    verifier_image: str = ""  # default: the task's image
-    forward_port: int = 8080  # the forwarder's port on the container's loopback
-    workdir: str = ""  # host folder for per-rollout directories (bind-mounted; default: the system temp dir)
-    # Keep each rollout's directory: app/, home/ (the harness's HOME, then bind-mounted instead of a tmpfs, with
-    # its transcript), tests/, logs/.
-    keep_workspaces: bool = False
-    # The harness's numeric "uid:gid", never root. Default: 65534:65534 (nobody) when bridle runs as root, else
-    # bridle's own uid and gid (a non-root bridle cannot give the workspace to another uid).
-    user: str = ""
-    storage: str = "10g"  # the workspace's size cap when the task's [environment] storage gives none
-    file_size: str = "2g"  # RLIMIT_FSIZE, the largest file the harness may write (at most the storage cap)
-    open_files: Annotated[int, msgspec.Meta(gt=0)] = 4096  # RLIMIT_NOFILE
-    tmp_size: str = "512m"  # the /tmp tmpfs (and each Harness.writable folder); RAM, counted within `memory`
-    home_size: str = "512m"  # the HOME tmpfs; RAM, counted within `memory`
-    storage_check_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # how often the workspace is measured meanwhile
-    max_turns: int = 30
-    model: str = "policy"
-    whitebox_args: list[str] = msgspec.field(default_factory=list)  # extra white-box harness flags
-    docker_url: str = ""  # default: DOCKER_HOST, then the local socket
-    api_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0  # any one Docker API call
-
-
-@dataclass(kw_only=True)
-class DockerSandbox(Sandbox):
-    config: dict[str, Any] = field(default_factory=dict)  # the harness container's create request
-    containers: list[Any] = field(default_factory=list)  # every container made for this rollout; cleanup removes
-    container: Any = None  # the harness's, once created
-    started_at: float = 0.0  # when its creation was asked for (the engine's events are searched from here)
-    limits: list[tuple[Path, int, str]] = field(default_factory=list)  # (host folder, size cap, what it is)
-    over_limit: str = ""  # why the disk watch stopped the harness
-    image: TaskImage | None = None  # the task's image, once resolved
-    task_limits: TaskLimits | None = None  # cpus / memory / pids of its containers
-
-
-class DockerBackend(SandboxBackend[DockerSandbox]):
-    """One container per rollout from the harness's image (see module docstring)."""
+class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
+    """One container per rollout from the task's image, the harness laid over it (see module docstring)."""
 
     kind = "docker"
     sandbox_type = DockerSandbox
@@ -223,113 +168,9 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         if not self.settings.keep_workspaces:
             remove_run_dirs(self.settings.workdir, self.run_id)
 
-    async def _remove(self, cid: str) -> None:
-        import aiodocker
-
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
-            try:
-                await self.docker.containers.container(cid).delete(force=True, v=True)
-            except aiodocker.DockerError as e:
-                if e.status != 404:
-                    log.warning("container_remove_failed", container=cid[:12], error=str(e))
-        self._live.discard(cid)
-
     # ------------------------------------------------------------------------------------------ helpers
     def _labels(self, req: RolloutRequest, role: str) -> dict[str, str]:
         return self._labels_for(req.rollout_id, role)
-
-    def _labels_for(self, rollout_id: str, role: str) -> dict[str, str]:
-        return {LABEL: "1", "bridle.run": self.run_id, "bridle.rollout": rollout_id, "bridle.role": role,
-                "bridle.host": self.host, "bridle.owner": str(os.getpid())}
-
-    def _host_config(self, binds: list[str], network: str, limits: TaskLimits | None = None) -> dict[str, Any]:
-        s = self.settings
-        cpus, memory, pids = (limits.cpus, limits.memory, limits.pids) if limits else (s.cpus, self.memory_bytes, s.pids)
-        return {
-            "Binds": binds,
-            "NetworkMode": network,
-            "NanoCpus": int(cpus * 1e9),
-            "Memory": memory,
-            "MemorySwap": memory,  # no swap beyond the limit
-            "PidsLimit": pids,
-            "Privileged": False,
-            "SecurityOpt": ["no-new-privileges"],
-            "CapDrop": ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SYS_CHROOT", "SETFCAP"],
-            "Init": True,  # reap zombies; the harness's exit status becomes the container's
-            "LogConfig": {"Type": "json-file", "Config": {"max-size": "4m", "max-file": "1"}},
-        }
-
-    async def _create_start(self, config: dict[str, Any], files: dict[str, tuple[bytes, int]],
-                            owned: list[Any]) -> Any:
-        """Create and start a container; it goes into ``owned`` (the caller removes it) as soon as it exists."""
-        # Shielded: a cancellation between the engine creating it and us learning its id would leak it.
-        with anyio.CancelScope(shield=True), anyio.fail_after(self.settings.api_timeout_s):
-            c = await self.docker.containers.create(config)
-            self._live.add(c.id)
-            owned.append(c)
-        with anyio.fail_after(self.settings.api_timeout_s):
-            if files:
-                await c.put_archive("/", tar_files(files))
-            await c.start()
-        return c
-
-    async def _wait(self, c: Any, limit_s: float) -> tuple[bool, dict[str, Any]]:
-        """(timed out, final State): wait for ``c`` to stop, kill it after ``limit_s``. Raises SandboxError when
-        the container disappears or the engine fails."""
-        import aiodocker
-
-        try:
-            with anyio.move_on_after(limit_s) as scope:
-                await c.wait()
-            if scope.cancelled_caught:
-                with anyio.fail_after(self.settings.api_timeout_s):
-                    await self._kill(c)
-                    await c.wait()
-            with anyio.fail_after(self.settings.api_timeout_s):
-                info = await c.show()
-            return scope.cancelled_caught, info["State"]
-        except aiodocker.DockerError as e:
-            raise SandboxError(f"the container disappeared or the engine failed: {e}") from None
-        except TimeoutError:
-            raise SandboxError(f"the Docker engine did not answer within {self.settings.api_timeout_s:g}s") from None
-
-    async def _kill(self, c: Any) -> None:
-        """SIGKILL the container (the kill is ours, not from outside)."""
-        import aiodocker
-
-        self._killed.add(c.id)
-        try:
-            await c.kill()
-        except aiodocker.DockerError as e:
-            if e.status != 409:  # 409: it stopped on its own meanwhile
-                raise
-
-    async def _logs(self, c: Any) -> str:
-        import aiodocker
-
-        try:
-            with anyio.fail_after(self.settings.api_timeout_s):
-                lines = await c.log(stdout=True, stderr=True, tail="200")
-            return tail("".join(lines))
-        except (aiodocker.DockerError, TimeoutError):
-            return ""
-
-    async def _killed_from_outside(self, c: Any, since: float) -> bool:
-        """Whether someone other than us sent the container a kill (docker kill / stop / rm -f)."""
-        import aiodocker
-
-        if c.id in self._killed:
-            return False
-        params = {"since": f"{since - 1:.3f}", "until": f"{time.time():.3f}",
-                  "filters": json.dumps({"container": [c.id], "event": ["kill", "die", "oom"]})}
-        try:
-            with anyio.fail_after(self.settings.api_timeout_s):
-                async with self.docker._query("events", method="GET", params=params) as resp:
-                    body = await resp.text()
-        except (aiodocker.DockerError, aiohttp.ClientError, TimeoutError):
-            return False  # events unavailable: fall back to the exit status alone
-        events = [json.loads(line) for line in body.splitlines() if line.strip()]
-        return any(e.get("Action") == "kill" for e in events) and not any(e.get("Action") == "oom" for e in events)
 
     # ------------------------------------------------------------------------------------------------ hooks
     async def prepare(self, box: DockerSandbox) -> None:

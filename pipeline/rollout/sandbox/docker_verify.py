@@ -10,26 +10,24 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from pipeline.core.logs import get_logger
 from pipeline.rollout.sandbox.base import SandboxError, Verdict, VerifierError
-from pipeline.rollout.sandbox.task_images import TaskLimits, network_failure
+from pipeline.rollout.sandbox.container import DockerEngine, DockerSandbox, DockerSettings, TaskLimits
+from pipeline.rollout.sandbox.task_images import network_failure
 from pipeline.rollout.tasks import Task
 from pipeline.rollout.untrusted import RewardError, UntrustedFileError, fresh_dir, read_reward, read_under
 from pipeline.rollout.verify import summarize
-
-if TYPE_CHECKING:
-    from pipeline.rollout.sandbox.docker import DockerBackend, DockerSandbox, DockerSettings
 
 log = get_logger(component="sandbox")
 
 OUTPUT_SCAN_CAP = 1 << 20  # how much of test.sh's output is searched for signs of a missing network
 
 
-async def verify_in_container(backend: DockerBackend, box: DockerSandbox) -> Verdict:
+async def verify_in_container(backend: DockerEngine, box: DockerSandbox) -> Verdict:
     """Run tests/test.sh as root in a fresh container from the task's image over the workspace, from the
     WORKDIR, with tests/ read-only and 0700, on ``verifier_network``.
 
@@ -103,7 +101,7 @@ async def offline_hint(settings: DockerSettings, logs: Path) -> str:
             'set verifier_network = "bridge", or make tests/ self-contained')
 
 
-def verifier_host_config(backend: DockerBackend, binds: list[str], limits: TaskLimits | None) -> dict[str, Any]:
+def verifier_host_config(backend: DockerEngine, binds: list[str], limits: TaskLimits | None) -> dict[str, Any]:
     """The harness's limits, but root with just what the trusted checker needs: read the 0700 tests/ and write
     logs/ whoever owns them on the host (DAC_OVERRIDE), and drop its child to another uid (SETUID, SETGID)."""
     return {

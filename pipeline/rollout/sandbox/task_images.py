@@ -34,9 +34,8 @@ import stat
 import tarfile
 import tempfile
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import anyio
@@ -45,13 +44,11 @@ from pipeline.core.logs import get_logger
 from pipeline.rollout.harnesses import BASE_IMAGE, FORWARDER, Harness
 from pipeline.rollout.images import cache_dir
 from pipeline.rollout.sandbox.base import SandboxError
+from pipeline.rollout.sandbox.container import DockerEngine, TaskImage
 from pipeline.rollout.sandbox.dockerfile import DockerfileError, base_images, substitute
-from pipeline.rollout.sandbox.util import parse_size, rmtree
+from pipeline.rollout.sandbox.util import rmtree
 from pipeline.rollout.tasks import Task
 from pipeline.rollout.untrusted import printable
-
-if TYPE_CHECKING:
-    from pipeline.rollout.sandbox.docker import DockerBackend
 
 log = get_logger(component="task_images")
 
@@ -76,52 +73,6 @@ _PAYLOAD = 'set -e; u="$1"; shift; cp -a --parents "$@" /out/; chown -R "$u" /ou
 
 class TaskImageError(Exception):
     """A task's image cannot be had (a missing base image, a failed build, an unreadable workspace)."""
-
-
-@dataclass(frozen=True)
-class TaskImage:
-    """The image a task's rollouts run in, and what bridle learned about it."""
-
-    ref: str  # what containers are created from (the bridle-task tag, docker_image, or the base image)
-    image_id: str
-    workdir: str  # the workspace's path in the container
-    workspace: Path  # the WORKDIR's starting content (a cache; copy it, never write to it)
-    seed: bool  # also copy environment/app/ into the workspace (a task with neither Dockerfile nor docker_image)
-    python3: bool
-    bash: bool
-    built: bool  # this call built it (else it was already there)
-
-
-@dataclass(frozen=True)
-class TaskLimits:
-    """What the task's containers are held to: the task's [environment] values, capped by the settings."""
-
-    cpus: float
-    memory: int  # bytes
-    pids: int
-    notes: tuple[str, ...]  # each cap applied, in words
-
-
-def task_limits(task: Task, *, cpus: float, memory: int, pids: int) -> TaskLimits:
-    """The task's cpus / memory (or memory_mb) / pids where it gives them, else the settings'; a value above its
-    setting is capped there (the settings are what one sandbox may take on this machine) and said in a note."""
-    env = task.config.environment
-    where = f"{task.root / 'task.toml'}: [environment] memory"
-    asked_mem = parse_size(env.memory, where) if env.memory else (env.memory_mb << 20 if env.memory_mb else None)
-    notes: list[str] = []
-
-    def capped(name: str, asked: Any, limit: Any, shown: str) -> Any:
-        if asked is None:
-            return limit
-        if asked > limit:
-            notes.append(f"task asks {name} = {asked if name != 'memory' else env.memory or env.memory_mb}; capped at "
-                         f"[sandbox.docker] {name} = {shown}")
-            return limit
-        return asked
-
-    return TaskLimits(cpus=capped("cpus", env.cpus, cpus, f"{cpus:g}"),
-                      memory=capped("memory", asked_mem, memory, f"{memory >> 20}m"),
-                      pids=capped("pids", env.pids, pids, str(pids)), notes=tuple(notes))
 
 
 def network_failure(output: bytes) -> bool:
@@ -183,7 +134,7 @@ class TaskImages:
     """Resolves tasks to images and harnesses to payloads for one :class:`DockerBackend` (its engine client and
     helper containers); concurrent rollouts of one task build and copy once."""
 
-    def __init__(self, backend: DockerBackend):
+    def __init__(self, backend: DockerEngine):
         self.backend = backend
         self.settings = backend.settings
         self._locks: defaultdict[str, anyio.Lock] = defaultdict(anyio.Lock)
@@ -210,6 +161,10 @@ class TaskImages:
         """The task's image (built when needed) and its workspace's starting content. Raises TaskImageError."""
         env = task.config.environment
         built = False
+        compose = [n for n in ("docker-compose.yaml", "docker-compose.yml") if (task.environment_dir / n).is_file()]
+        if compose:
+            raise TaskImageError(f"task {task.id}: environment/{compose[0]} (an environment of several containers) is "
+                                 "not supported; bridle runs each task in one container from environment/Dockerfile")
         if env.docker_image:
             ref = env.docker_image
             info = await self._inspect(ref)
