@@ -5,7 +5,8 @@ A task folder (the Harbor format, docs/rollout.md)::
     my-task/
       task.toml          # config + free-form [metadata] (family, difficulty, oracle_actions, ...)
       instruction.md     # what the agent is told
-      environment/       # Dockerfile + files; environment/app/ holds the workspace's starting files
+      environment/       # Dockerfile + its files (the Docker backend builds it; the workspace is its WORKDIR);
+                         # without a Dockerfile, and on the local backend, environment/app/ is the workspace
       tests/test.sh      # verifier; writes $BRIDLE_LOGS/verifier/reward.txt (or reward.json)
       solution/          # optional: solve.sh and/or actions.json (oracle as neutral tool calls)
 
