@@ -162,6 +162,7 @@ async def test_task_image_is_built_once_per_content(sandbox, tmp_path):
     assert first.built and not again.built and changed.built
     assert again.ref == first.ref and again.image_id == first.image_id and changed.ref != first.ref
     assert (first.workspace / "nonce.txt").read_text() == nonce and (first.workspace / "README.md").is_file()
+    await anyio.run_process(["docker", "rmi", first.ref, changed.ref])  # images no other run will use again
 
 
 async def test_missing_base_image_is_a_clear_error(sandbox, tmp_path):
