@@ -180,7 +180,10 @@ async def run_verifier_local(
         return VerifierResult(status="verifier_error", error=f"workspace {ws} does not exist")
     with tempfile.TemporaryDirectory(prefix="bridle-verify-") as tmp_s:
         tests, logs = await anyio.to_thread.run_sync(_lay_out, task, Path(tmp_s), logs_dir)
-        env = script_env(ws, tests=tests, logs=logs, home=Path(tmp_s) / "home", extra=task.config.verifier.env)
+        # PYTHONSAFEPATH: `python -m` / `-c` from the workspace must not import what the agent left there (as in
+        # Docker; a task's [verifier] env may set it otherwise).
+        env = script_env(ws, tests=tests, logs=logs, home=Path(tmp_s) / "home",
+                         extra={"PYTHONSAFEPATH": "1", **task.config.verifier.env})
         try:
             res = await run_script(["bash", str(tests / "test.sh")], cwd=ws, env=env, limit_s=limit_s,
                                    output=logs / "verifier" / "test-stdout.txt")
