@@ -251,6 +251,11 @@ class Harness:
     image: str = ""
     image_inputs: tuple[ImageInput, ...] = ()  # what its image's build context takes from the npm install
     container_binary: str = ""  # where the image keeps the executable ("" = the launcher's default)
+    # What its image adds to the base image (files or folders), everything the harness needs to run: the Docker
+    # backend copies them out once and mounts them read-only at PAYLOAD_MOUNT over a task's own image (the same
+    # paths below it), so the harness runs on any task image without changing it.
+    payload: tuple[str, ...] = ()
+    uses_proxy: bool = True  # it talks to the policy (so it needs the forwarder in Docker); not the oracle
     needs_solution: bool = False  # it is given the task's solution/ (only the oracle pseudo-harness)
     # Container folders it must write besides the workspace, its HOME and /tmp: the Docker sandbox's root
     # filesystem is read-only, and these become size-capped tmpfs mounts owned by the harness's uid.
@@ -340,17 +345,19 @@ OPENCLAW_TOOLS = DemoTools({
     "bash": ToolForm("exec", {"command": "{command}"}),
 })
 
-BASE_IMAGE = "bridle-base"  # every harness image is built FROM it; the oracle and the verifiers run in it
+BASE_IMAGE = "bridle-base"  # every harness image is built FROM it; tasks without a Dockerfile run in it
+FORWARDER = "/opt/bridle/forwarder.py"  # in the base image: loopback -> the proxy's Unix socket
+PAYLOAD_MOUNT = "/opt/bridle-harness"  # where a harness's payload (and the forwarder) appear over a task's image
 
 HARNESSES: dict[str, Harness] = {h.name: h for h in (
     Harness("claude-code", claude_code, executable="claude", npm_package="@anthropic-ai/claude-code@2.1.197",
-            image="bridle-claude-code", container_binary="/usr/local/bin/claude",
+            image="bridle-claude-code", container_binary="/usr/local/bin/claude", payload=("/usr/local/bin/claude",),
             image_inputs=(ImageInput("claude", paths=("@anthropic-ai/claude-code/bin/claude.exe",)),),
             demo_tools=_fixed(CLAUDE_CODE_TOOLS),
             tool_roles={"Write": "write", "Edit": "edit", "MultiEdit": "edit", "NotebookEdit": "edit", "Read": "read",
                         "Bash": "shell"}),
     Harness("codex", codex, executable="codex", npm_package="@openai/codex@0.171.0", image="bridle-codex",
-            container_binary="/usr/local/bin/codex",
+            container_binary="/usr/local/bin/codex", payload=("/usr/local/bin/codex", "/usr/local/bin/rg"),
             image_inputs=(
                 ImageInput("codex", paths=("@openai/codex*/vendor/{arch}-unknown-linux-musl/bin/codex",)),
                 ImageInput("rg", paths=("@openai/codex*/vendor/{arch}-unknown-linux-musl/codex-path/rg",
@@ -361,18 +368,21 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in (
     Harness("qwen-code", qwen_code, executable="qwen", npm_package="@qwen-code/qwen-code@0.24.4", needs_node=True,
             image="bridle-qwen-code",
             container_binary="/opt/qwen-code/node_modules/@qwen-code/qwen-code/cli-entry.js",
+            payload=(CONTAINER_NODE, "/opt/qwen-code"),
             image_inputs=(NODE_INPUT, ImageInput("node_modules", closure="@qwen-code/qwen-code")),
             demo_tools=_fixed(QWEN_CODE_TOOLS),
             tool_roles={"write_file": "write", "edit": "edit", "replace": "edit", "read_file": "read",
                         "read_many_files": "read", "run_shell_command": "shell"}),
     Harness("openclaw", openclaw, executable="openclaw", npm_package="openclaw@2026.9.6", needs_node=True,
             image="bridle-openclaw", container_binary="/opt/openclaw/node_modules/openclaw/openclaw.mjs",
+            payload=(CONTAINER_NODE, "/opt/openclaw"),
             image_inputs=(NODE_INPUT, ImageInput("node_modules", closure="openclaw")),
             demo_tools=_fixed(OPENCLAW_TOOLS),
             tool_roles={"write": "write", "edit": "edit", "apply_patch": "edit", "read": "read", "exec": "shell"}),
     Harness("whitebox", whitebox, variants="SxTxOxCxWx", image="bridle-whitebox",
-            container_binary="/opt/bridle/whitebox/harness.py", demo_tools=_whitebox_tools),
-    Harness("oracle", oracle, image=BASE_IMAGE, needs_solution=True),
+            container_binary="/opt/bridle/whitebox/harness.py", payload=("/opt/bridle/whitebox",),
+            demo_tools=_whitebox_tools),
+    Harness("oracle", oracle, image=BASE_IMAGE, needs_solution=True, uses_proxy=False),
 )}
 
 

@@ -52,7 +52,8 @@ SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 # Kept small: bash + coreutils come with minbase; python3 runs the forwarder, the white-box harness and checkers.
 ROOTFS_PACKAGES = ("python3", "ca-certificates", "procps")
-# One image per harness that has one of its own (the oracle runs in the base image), from harness_images/<name>.
+# One image per harness that has one of its own (not the oracle, which runs solve.sh in the task's image), from
+# harness_images/<name>; the Docker backend mounts each harness's payload from it over a task's image.
 HARNESSES = tuple(h.name for h in ADAPTERS.values() if h.image and h.image != BASE_TAG)
 
 

@@ -5,7 +5,8 @@ A task folder (the Harbor format, docs/rollout.md)::
     my-task/
       task.toml          # config + free-form [metadata] (family, difficulty, oracle_actions, ...)
       instruction.md     # what the agent is told
-      environment/       # Dockerfile + files; environment/app/ holds the workspace's starting files
+      environment/       # Dockerfile + its files (the Docker backend builds it; the workspace is its WORKDIR);
+                         # without a Dockerfile, and on the local backend, environment/app/ is the workspace
       tests/test.sh      # verifier; writes $BRIDLE_LOGS/verifier/reward.txt (or reward.json)
       solution/          # optional: solve.sh and/or actions.json (oracle as neutral tool calls)
 
@@ -66,17 +67,21 @@ class VerifierSection(_Section, kw_only=True):
 
 
 class AgentSection(_Section, kw_only=True):
-    timeout_sec: PositiveFloat = 300.0
+    timeout_sec: PositiveFloat | None = None  # the harness's wall-clock limit; also bounded by the scheduler's timeout_s
 
 
 class EnvironmentSection(_Section, kw_only=True):
+    """The sandbox a task asks for. Unset limits take the sandbox settings' values, and the Docker backend caps
+    each at its setting ([sandbox.docker] cpus, memory, pids; docs/rollout.md, "Task images")."""
+
     build_timeout_sec: PositiveFloat = 600.0
-    cpus: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    cpus: Annotated[float, msgspec.Meta(gt=0)] | None = None
     memory: str | None = None  # "4G"
     memory_mb: Annotated[int, msgspec.Meta(gt=0)] | None = None  # older tasks
+    pids: Annotated[int, msgspec.Meta(gt=0)] | None = None  # bridle's addition: the process limit
     storage: str | None = None
-    allow_internet: bool = False
-    docker_image: str | None = None
+    allow_internet: bool = False  # reported, never honoured: the agent reaches only the proxy
+    docker_image: str | None = None  # a local image to run instead of building environment/Dockerfile
 
 
 class TaskConfig(_Section, kw_only=True):
@@ -124,6 +129,11 @@ class Task(msgspec.Struct, kw_only=True):
     @property
     def environment_dir(self) -> Path:
         return self.root / "environment"
+
+    @property
+    def dockerfile(self) -> Path | None:
+        p = self.environment_dir / "Dockerfile"
+        return p if p.is_file() else None
 
     @property
     def workspace_seed(self) -> Path | None:

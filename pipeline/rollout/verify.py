@@ -45,6 +45,7 @@ from pipeline.rollout.untrusted import (
 __all__ = ["RewardError", "read_reward"]  # re-exported: where the verifiers' callers have always found them
 
 TAIL_CHARS = 4000
+DEFAULT_AGENT_TIMEOUT_S = 300.0  # the oracle's limit for a task whose [agent] gives none
 
 
 class VerifierResult(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -179,7 +180,10 @@ async def run_verifier_local(
         return VerifierResult(status="verifier_error", error=f"workspace {ws} does not exist")
     with tempfile.TemporaryDirectory(prefix="bridle-verify-") as tmp_s:
         tests, logs = await anyio.to_thread.run_sync(_lay_out, task, Path(tmp_s), logs_dir)
-        env = script_env(ws, tests=tests, logs=logs, home=Path(tmp_s) / "home", extra=task.config.verifier.env)
+        # PYTHONSAFEPATH: `python -m` / `-c` from the workspace must not import what the agent left there (as in
+        # Docker; a task's [verifier] env may set it otherwise).
+        env = script_env(ws, tests=tests, logs=logs, home=Path(tmp_s) / "home",
+                         extra={"PYTHONSAFEPATH": "1", **task.config.verifier.env})
         try:
             res = await run_script(["bash", str(tests / "test.sh")], cwd=ws, env=env, limit_s=limit_s,
                                    output=logs / "verifier" / "test-stdout.txt")
@@ -219,7 +223,7 @@ async def run_solution_local(task: Task, workspace: str | Path, timeout_s: float
     if task.solve_sh is None:
         raise FileNotFoundError(f"task {task.id} has no solution/solve.sh")
     ws = Path(await anyio.Path(workspace).resolve())
-    limit_s = timeout_s if timeout_s is not None else task.config.agent.timeout_sec
+    limit_s = timeout_s if timeout_s is not None else (task.config.agent.timeout_sec or DEFAULT_AGENT_TIMEOUT_S)
     with tempfile.TemporaryDirectory(prefix="bridle-oracle-") as tmp_s:
         tmp = Path(tmp_s)
         sol = await anyio.to_thread.run_sync(_oracle_dirs, task, tmp)

@@ -14,3 +14,8 @@ def containers_of(run_id: str, running_only: bool = False) -> list[str]:
     out = subprocess.run(["docker", "ps", "-q" if running_only else "-aq", "--filter", f"label=bridle.run={run_id}"],
                          capture_output=True, text=True, check=True).stdout
     return out.split()
+
+
+# This machine's tests build task images and verify without network: their tasks need none ([sandbox.docker]
+# build_network, verifier_network; users get "bridge", as Harbor gives).
+OFFLINE = {"build_network": "none", "verifier_network": "none"}

@@ -43,6 +43,7 @@ from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import Task, TaskSpec, materialize
 from tests.helpers.ci import require
+from tests.helpers.docker import OFFLINE
 from tests.helpers.proxyutil import running_proxy
 
 pytestmark = pytest.mark.anyio
@@ -226,7 +227,7 @@ async def run_rollout(kind: str, task: Task, run_dir: Path) -> tuple[RolloutFini
                 await backend.aclose()
         else:
             sock = run_dir.parent / f"{run_id}.sock"
-            backend = DockerBackend(DockerSettings(workdir=str(work), keep_workspaces=True), run_id=run_id)
+            backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(work), keep_workspaces=True), run_id=run_id)
             await backend.start()
             try:
                 async with running_proxy(unix_socket=str(sock)) as (proxy, _records, _token):

@@ -30,6 +30,7 @@ from pipeline.rollout.judge import (
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend, LocalSettings
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import Task, materialize
+from tests.helpers.docker import OFFLINE
 from tests.helpers.judge_server import GARBAGE_CANARY, REASON_CANARY, judge_server
 from tests.helpers.proxyutil import running_proxy
 
@@ -174,7 +175,8 @@ def settings(server, model: str, **kw) -> JudgeSettings:
 async def rollout(tmp_path: Path, task: Task, judge: JudgeSettings | None, kind: str = "local") -> RolloutFinished:
     """One oracle rollout through the ``kind`` backend with ``judge``."""
     work = str(tmp_path / "work")
-    b = LocalBackend(LocalSettings(workdir=work)) if kind == "local" else DockerBackend(DockerSettings(workdir=work))
+    b = (LocalBackend(LocalSettings(workdir=work)) if kind == "local"
+         else DockerBackend(DockerSettings(**OFFLINE, workdir=work)))
     if judge is not None:
         b.judge = Judge(judge)
     await b.start()

@@ -23,7 +23,7 @@ from pipeline.rollout.taskgen import family_names, generate
 from pipeline.rollout.tasks import Task, materialize
 from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
 from tests.helpers.ci import require
-from tests.helpers.docker import containers_of
+from tests.helpers.docker import OFFLINE, containers_of
 from tests.helpers.poll import until
 from tests.helpers.proxyutil import running_proxy
 
@@ -46,7 +46,7 @@ def variant(tmp: Path, name: str, solve: str, family: str = "create_file", seed:
 async def sandbox(images, tmp_path):
     """(backend, proxy, socket path): a started Docker backend and a proxy listening on a Unix socket."""
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend(DockerSettings(workdir=str(tmp_path / "work")))
+    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work")))
     await backend.start()
     async with running_proxy(unix_socket=str(sock)) as (proxy, _records, _token):
         yield backend, proxy, str(sock)
@@ -102,7 +102,7 @@ async def test_crash_is_harness_error(sandbox, tmp_path):
 
 async def test_out_of_memory_is_harness_error(images, tmp_path):
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend(DockerSettings(memory="64m"))
+    backend = DockerBackend(DockerSettings(**OFFLINE, memory="64m"))
     await backend.start()
     task = variant(tmp_path, "hog", "python3 -c 'x = bytearray(512 << 20); print(len(x))'")
     async with running_proxy(unix_socket=str(sock)) as (proxy, _, _):
@@ -160,7 +160,7 @@ async def test_start_reaps_leftovers(images):
          "--label", f"bridle.host={socket.gethostname()}", "--label", f"bridle.owner={dead_pid}",
          "bridle-base", "sleep", "300"])
     cid = proc.stdout.decode().strip()
-    backend = DockerBackend()
+    backend = DockerBackend(DockerSettings(**OFFLINE))
     await backend.start()
     await backend.aclose()
     assert containers_of("crashed") == [], cid
@@ -215,7 +215,7 @@ json.dump(res, open("/app/net.json", "w"))
 async def test_isolation_only_the_proxy_answers(images, tmp_path):
     listener = _Listener()
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend(DockerSettings(workdir=str(tmp_path / "work"), keep_workspaces=True))
+    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work"), keep_workspaces=True))
     await backend.start()
     probe = PROBE.replace("{port}", str(listener.port))
     task = variant(tmp_path, "probe", f"python3 - <<'EOF'\n{probe}\nEOF")
@@ -241,7 +241,7 @@ async def test_whitebox_in_docker_scores_one(images, tmp_path, network):
     script = Script(default=[ScriptResponse(tool_calls=[ScriptCall(name="write_file", arguments=action.args)]),
                              ScriptResponse(text="Done.")])
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend(DockerSettings(network=network))
+    backend = DockerBackend(DockerSettings(**OFFLINE, network=network))
     await backend.start()
     async with running_proxy(script, unix_socket=str(sock)) as (proxy, records, _):
         req = request("whitebox:S2T0O2C0W0", task)
@@ -267,7 +267,7 @@ async def test_real_harness_in_its_image_scores_one(images, tmp_path, harness, f
     task = materialize(generate(family, 2), tmp_path / "task")
     script = Script(default=msgspec.convert(oracle_script(task, harness), list[ScriptResponse]))
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend()
+    backend = DockerBackend(DockerSettings(**OFFLINE))
     await backend.start()
     async with running_proxy(script, unix_socket=str(sock)) as (proxy, records, _):
         req = request(harness, task, timeout_s=240)
@@ -283,7 +283,7 @@ async def test_real_harness_in_its_image_scores_one(images, tmp_path, harness, f
 
 async def test_missing_image_or_socket_is_sandbox_error(images, tmp_path):
     task = materialize(generate("create_file", 0), tmp_path / "task")
-    backend = DockerBackend(DockerSettings(images={"oracle": "bridle-no-such-image"}))
+    backend = DockerBackend(DockerSettings(**OFFLINE, images={"oracle": "bridle-no-such-image"}))
     await backend.start()
     try:
         no_sock = await backend.run(request("oracle", task), task, proxy_url="http://127.0.0.1:9",

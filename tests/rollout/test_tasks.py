@@ -59,7 +59,11 @@ def test_minimal_task_loads_with_harbor_defaults(tmp_path):
     assert t.id == "t1"
     assert t.instruction == "Do it.\n"
     assert t.config.verifier.timeout_sec == 120.0
-    assert t.config.agent.timeout_sec == 300.0
+    # unset: the scheduler's timeout_s alone bounds the harness; unset limits take the sandbox settings'
+    assert t.config.agent.timeout_sec is None
+    env = t.config.environment
+    assert (env.cpus, env.memory, env.memory_mb, env.pids, env.allow_internet) == (None, None, None, None, False)
+    assert t.dockerfile is None
     assert t.oracle_actions is None and t.solve_sh is None and t.workspace_seed is None
     assert t.family == "" and t.rubric is None
 

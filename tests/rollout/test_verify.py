@@ -52,6 +52,20 @@ def task_with(
 LOGS = 'L="${BRIDLE_LOGS:-/logs}/verifier"\n'
 
 
+def test_a_module_left_in_the_workspace_does_not_shadow_what_test_sh_imports(tmp_path):
+    """`python3 -c` from the workspace (test.sh's working directory) imports the standard json, not the agent's
+    json.py; a task that clears PYTHONSAFEPATH in its [verifier] env gets the agent's (the control)."""
+    sh = LOGS + ("""if [ "$(python3 -c 'import json; print(json.dumps([1]))')" = "[1]" ]; """
+                 'then echo 1 > "$L/reward.txt"; else echo 0 > "$L/reward.txt"; fi\n')
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "json.py").write_text("def dumps(x):\n    return 'forged'\n")
+    task = task_with(tmp_path, sh)
+    assert run_verifier_local_sync(task, ws).reward == 1.0
+    task.config.verifier.env["PYTHONSAFEPATH"] = ""
+    assert run_verifier_local_sync(task, ws).reward == 0.0
+
+
 def test_reward_txt_env_paths_and_stdout(tmp_path):
     sh = LOGS + (
         'echo "ws=$BRIDLE_WORKSPACE tests=$BRIDLE_TESTS pwd=$(pwd)"\n'

@@ -23,7 +23,7 @@ from pipeline.rollout.sandbox import DockerBackend, DockerSettings
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import materialize
 from pipeline.tokens.tokenizer import QwenTokenizer
-from tests.helpers.docker import containers_of
+from tests.helpers.docker import OFFLINE, containers_of
 from tests.helpers.proxyutil import running_proxy
 from tests.helpers.whitebox_scripts import HARNESS_ARGS, Outcome, check_outcome, episode, scripted_request
 
@@ -36,7 +36,7 @@ WRAPPERS = {1: "[sandbox-runner] job", 2: "--- execution metadata ---"}  # O1, O
 
 def run_all(tmp: Path) -> tuple[dict[str, Outcome], DockerBackend]:
     task = materialize(generate("create_file", 7), tmp / "task")
-    settings = DockerSettings(workdir=str(tmp / "work"), keep_workspaces=True, whitebox_args=HARNESS_ARGS)
+    settings = DockerSettings(**OFFLINE, workdir=str(tmp / "work"), keep_workspaces=True, whitebox_args=HARNESS_ARGS)
     backend = DockerBackend(settings)
     outcomes: dict[str, Outcome] = {}
 

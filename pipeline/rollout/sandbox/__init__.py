@@ -10,9 +10,11 @@ backends implement only its hooks:
 
 - :mod:`~pipeline.rollout.sandbox.local`: the harness as a child process (rlimits, killed as a process group and
   by an environment marker). Convenient and the embedded default, but **no security boundary**.
-- :mod:`~pipeline.rollout.sandbox.docker`: one container per rollout from the harness's image (CPU, memory and
-  pids limits, network ``none``, the proxy through its mounted Unix socket, a non-root uid on a read-only root:
-  :mod:`~pipeline.rollout.sandbox.hardening`); the verifier in a fresh container.
+- :mod:`~pipeline.rollout.sandbox.docker`: one container per rollout from the task's own image
+  (:mod:`~pipeline.rollout.sandbox.task_images`: its Dockerfile built offline, the harness's payload mounted
+  over it), the task's CPU, memory and pids limits, network ``none``, the proxy through its mounted Unix socket, a
+  non-root uid on a read-only root (:mod:`~pipeline.rollout.sandbox.hardening`); the verifier in a fresh container
+  from the task's image (:mod:`~pipeline.rollout.sandbox.docker_verify`).
 """
 
 from pipeline.rollout.sandbox.base import CLEANUP_TIMEOUT_S, SandboxBackend

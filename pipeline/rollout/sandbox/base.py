@@ -7,8 +7,9 @@ in order and turns that into the :class:`~pipeline.messages.RolloutFinished`, in
    (what the adapter in ``pipeline/rollout/harnesses.py`` says), its config files, the task's ``solution/`` for a
    harness that needs it;
 2. :meth:`~SandboxBackend.launch` starts the harness (``timings.sandbox_ready``);
-3. :meth:`~SandboxBackend.wait` waits until it exits or the request's ``timeout_s`` passes (then kills it) and says
-   how it ended (:class:`HarnessExit`); :meth:`~SandboxBackend.logs` gives its output's tail;
+3. :meth:`~SandboxBackend.wait` waits until it exits or the request's ``timeout_s`` passes (the task's
+   ``[agent] timeout_sec`` when that is shorter; then kills it) and says how it ended (:class:`HarnessExit`);
+   :meth:`~SandboxBackend.logs` gives its output's tail;
 4. :meth:`~SandboxBackend.release` keeps what should outlive the harness (its transcript) and frees what it held
    (``timings.harness_done``);
 5. :meth:`~SandboxBackend.verify` runs the task's verifier over the workspace in a process or container of its
@@ -37,7 +38,7 @@ from __future__ import annotations
 import time
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -77,6 +78,9 @@ class Sandbox:
     proxy_socket: str
     root: Path | None = None  # the rollout's directory on this host, once prepare has made it
     launch: Launch | None = None  # how the harness starts, once prepared
+    # What the rollout's details should say whatever its status (a task setting not honoured, a limit capped):
+    # bridle's own words, appended as "note: ..." lines.
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,7 @@ class SandboxBackend(ABC, Generic[S]):
                 harness, variant = _harness(req, task)
                 box = self.sandbox_type(req=req, task=task, harness=harness, variant=variant, proxy_url=proxy_url,
                                         proxy_socket=proxy_socket)
+                finish.notes = box.notes
                 await self.prepare(box)
             except SandboxError as e:
                 return finish("sandbox_error", str(e))
@@ -184,14 +189,15 @@ class SandboxBackend(ABC, Generic[S]):
                 return finish("sandbox_error", str(e))
             t.sandbox_ready = time.time()
 
+            limit_s = harness_limit(req, task)
             try:
-                ended = await self.wait(box, req.timeout_s)
+                ended = await self.wait(box, limit_s)
             except SandboxError as e:
                 return finish("sandbox_error", f"{e}\n{await self.logs(box)}")
             output = await self.logs(box)
             await self.release(box)
             t.harness_done = time.time()
-            failed = self._harness_failed(ended, output)
+            failed = self._harness_failed(ended, output, box)
             if failed is not None:
                 return finish(*failed, exit_code=ended.exit_code)
 
@@ -204,7 +210,7 @@ class SandboxBackend(ABC, Generic[S]):
                 return finish("verifier_error", str(e), exit_code=ended.exit_code)
             t.verified = time.time()
             if ended.timed_out:
-                return finish("timeout", f"harness killed after {req.timeout_s:g}s:\n{output}",
+                return finish("timeout", f"harness killed after {limit_s:g}s:\n{output}",
                               reward=verdict.reward, rewards=verdict.rewards)
             return finish("ok", verdict.summary, reward=verdict.reward, rewards=verdict.rewards, exit_code=0)
         finally:
@@ -222,18 +228,30 @@ class SandboxBackend(ABC, Generic[S]):
         summary = f"{j.note}; verifier: {verdict.summary}" if j.note else verdict.summary
         return Verdict(reward=j.reward, rewards=j.rewards, summary=summary)
 
-    def _harness_failed(self, ended: HarnessExit, output: str) -> tuple[RolloutStatus, str] | None:
+    def memory_limit_of(self, box: S) -> str | None:
+        """The memory limit ``box``'s harness ran under, in words (a backend whose limit depends on the task
+        overrides this)."""
+        return self.memory_limit
+
+    def _harness_failed(self, ended: HarnessExit, output: str, box: S) -> tuple[RolloutStatus, str] | None:
         """(status, details) when the way the harness ended leaves nothing to verify; None when the workspace is
         to be scored (it exited 0, or ran out of time)."""
         if ended.timed_out:
             return None
         if ended.out_of_memory:
-            return "harness_error", f"the harness ran out of memory (limit {self.memory_limit}):\n{output}"
+            return "harness_error", f"the harness ran out of memory (limit {self.memory_limit_of(box)}):\n{output}"
         if ended.killed_from_outside:
             return "sandbox_error", f"the sandbox was killed from outside:\n{output}"
         if ended.exit_code != 0:
             return "harness_error", f"harness exited with {ended.exit_code}:\n{output}"
         return None
+
+
+def harness_limit(req: RolloutRequest, task: Task) -> float:
+    """The harness's wall-clock limit: the request's ``timeout_s``, or the task's ``[agent] timeout_sec`` when it
+    asks for less (Harbor's agent timeout)."""
+    asked = task.config.agent.timeout_sec
+    return min(req.timeout_s, asked) if asked is not None else req.timeout_s
 
 
 def _harness(req: RolloutRequest, task: Task) -> tuple[Harness, str]:
@@ -250,10 +268,13 @@ class _Finisher:
     def __init__(self, req: RolloutRequest):
         self.req = req
         self.timings = RolloutTimings(queued=time.time())
+        self.notes: list[str] = []
 
     def __call__(self, status: RolloutStatus, details: str = "", **kw: Any) -> RolloutFinished:
+        notes = "".join(f"\nnote: {n}" for n in self.notes)
+        # The notes are bridle's and short; the details' own tail is cut to leave room for them.
         fin = RolloutFinished(rollout_id=self.req.rollout_id, group_id=self.req.group_id, status=status,
-                              details=tail(details), timings=self.timings, **kw)
+                              details=(tail(details) + notes).lstrip("\n"), timings=self.timings, **kw)
         log.debug("rollout_finished", rollout=self.req.rollout_id, harness=self.req.harness, task=self.req.task_id,
                  status=status, reward=fin.reward, exit_code=fin.exit_code)
         return fin

@@ -1,15 +1,19 @@
-"""The Docker sandbox backend: one container per rollout from the harness's image.
+"""The Docker sandbox backend: one container per rollout from the task's own image, the harness laid over it.
 
-Images come from ``pipeline/rollout/images.py`` (the tag is the harness adapter's, or ``DockerSettings.images``).
-CPU, memory and pids limits, never privileged, network ``none`` by default; the harness runs as a non-root uid
-without capabilities on a read-only root filesystem, its workspace size-capped (``hardening.py`` says exactly what
-holds). The proxy's Unix socket is bind-mounted at ``/run/bridle/proxy.sock`` and the image's forwarder relays
-``127.0.0.1:8080`` to it, so the harness reaches the policy and nothing else. The verifier runs afterwards in a
-fresh container over the same workspace with ``tests/`` mounted read-only (0700: the built-in checker's uid-65534
-child cannot read them); the harness never sees the tests, and the host reads only the reward file, through no
-link. Containers carry the labels ``bridle.run`` / ``bridle.rollout`` / ``bridle.owner``; :meth:`DockerBackend.start`
-removes leftovers of this run (containers, rollout directories) and of runs whose process has died, so a crash
-never leaks containers; a hard exit removes the live ones (:meth:`DockerBackend.emergency_stop`).
+The task's image (its ``environment/Dockerfile`` built offline, its ``docker_image``, or the base image) and the
+harness's payload (copied once out of the harness's image, ``pipeline/rollout/images.py``, and mounted read-only at
+``/opt/bridle-harness``) come from ``task_images.py``; the workspace is the image's WORKDIR, copied out and
+bind-mounted back. The task's cpus / memory / pids (capped by the settings), never privileged, network ``none`` by
+default whatever the task asks; the harness runs as a non-root uid without capabilities on a read-only root
+filesystem, its workspace size-capped (``hardening.py`` says exactly what holds). The proxy's Unix socket is
+bind-mounted at ``/run/bridle/proxy.sock`` and the forwarder relays ``127.0.0.1:8080`` to it, so the harness
+reaches the policy and nothing else. The verifier runs afterwards in a fresh container from the task's image over
+the same workspace, on ``verifier_network``, with ``tests/`` mounted read-only (0700: the built-in checker's
+uid-65534 child cannot read them; ``docker_verify.py``); the harness never sees the tests, and the host reads only
+the reward file, through no link. Containers carry the labels ``bridle.run`` / ``bridle.rollout`` /
+``bridle.owner``; :meth:`DockerBackend.start` removes leftovers of this run (containers, rollout directories) and
+of runs whose process has died, so a crash never leaks containers; a hard exit removes the live ones
+(:meth:`DockerBackend.emergency_stop`). The engine calls every container goes through: ``container.py``.
 """
 
 from __future__ import annotations
@@ -22,27 +26,33 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import aiohttp
 import anyio
-import msgspec
 
 from pipeline.core.logs import get_logger
 from pipeline.core.runtime import on_emergency
 from pipeline.messages import RolloutRequest
-from pipeline.rollout.harnesses import BASE_IMAGE, LaunchContext
+from pipeline.rollout.harnesses import BASE_IMAGE, FORWARDER, PAYLOAD_MOUNT, LaunchContext
 from pipeline.rollout.sandbox.base import (
     CLEANUP_TIMEOUT_S,
     HarnessExit,
-    Sandbox,
     SandboxBackend,
     SandboxError,
     Verdict,
-    VerifierError,
 )
+from pipeline.rollout.sandbox.container import (
+    LABEL,
+    DockerEngine,
+    DockerSandbox,
+    DockerSettings,
+    TaskImage,
+    TaskLimits,
+    task_limits,
+)
+from pipeline.rollout.sandbox.docker_verify import verify_in_container
 from pipeline.rollout.sandbox.hardening import (
     CONTAINER_HOME,
     SEED_MOUNT,
@@ -54,6 +64,7 @@ from pipeline.rollout.sandbox.hardening import (
     seeded,
     write_seed,
 )
+from pipeline.rollout.sandbox.task_images import TaskImageError, TaskImages
 from pipeline.rollout.sandbox.util import (
     parse_size,
     pid_alive,
@@ -61,63 +72,16 @@ from pipeline.rollout.sandbox.util import (
     rmtree,
     rollout_dir,
     run_prefix,
-    tail,
-    tar_files,
 )
 from pipeline.rollout.tasks import Task, seed_workspace
-from pipeline.rollout.untrusted import RewardError, fresh_dir, read_reward
-from pipeline.rollout.verify import summarize
 
 log = get_logger(component="sandbox")
 
 CONTAINER_SOCKET = "/run/bridle/proxy.sock"
-LABEL = "bridle.sandbox"
 
 
-class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The Docker backend: one container per rollout, limits enforced by the engine."""
-
-    cpus: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    memory: str = "2g"  # hard limit (swap included); the kernel OOM-kills the harness above it
-    pids: Annotated[int, msgspec.Meta(gt=0)] = 512
-    # none: loopback only, the proxy through the mounted socket + forwarder; bridge: also the outside network;
-    # host: the host's network namespace, the harness uses proxy_url directly (no isolation).
-    network: Literal["none", "host", "bridge"] = "none"
-    images: dict[str, str] = msgspec.field(default_factory=dict)  # harness name -> image (default: its adapter's)
-    verifier_image: str = ""  # default: the base image
-    forward_port: int = 8080  # the forwarder's port on the container's loopback
-    workdir: str = ""  # host folder for per-rollout directories (bind-mounted; default: the system temp dir)
-    # Keep each rollout's directory: app/, home/ (the harness's HOME, then bind-mounted instead of a tmpfs, with
-    # its transcript), tests/, logs/.
-    keep_workspaces: bool = False
-    # The harness's numeric "uid:gid", never root. Default: 65534:65534 (nobody) when bridle runs as root, else
-    # bridle's own uid and gid (a non-root bridle cannot give the workspace to another uid).
-    user: str = ""
-    storage: str = "10g"  # the workspace's size cap when the task's [environment] storage gives none
-    file_size: str = "2g"  # RLIMIT_FSIZE, the largest file the harness may write (at most the storage cap)
-    open_files: Annotated[int, msgspec.Meta(gt=0)] = 4096  # RLIMIT_NOFILE
-    tmp_size: str = "512m"  # the /tmp tmpfs (and each Harness.writable folder); RAM, counted within `memory`
-    home_size: str = "512m"  # the HOME tmpfs; RAM, counted within `memory`
-    storage_check_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # how often the workspace is measured meanwhile
-    max_turns: int = 30
-    model: str = "policy"
-    whitebox_args: list[str] = msgspec.field(default_factory=list)  # extra white-box harness flags
-    docker_url: str = ""  # default: DOCKER_HOST, then the local socket
-    api_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0  # any one Docker API call
-
-
-@dataclass(kw_only=True)
-class DockerSandbox(Sandbox):
-    config: dict[str, Any] = field(default_factory=dict)  # the harness container's create request
-    containers: list[Any] = field(default_factory=list)  # every container made for this rollout; cleanup removes
-    container: Any = None  # the harness's, once created
-    started_at: float = 0.0  # when its creation was asked for (the engine's events are searched from here)
-    limits: list[tuple[Path, int, str]] = field(default_factory=list)  # (host folder, size cap, what it is)
-    over_limit: str = ""  # why the disk watch stopped the harness
-
-
-class DockerBackend(SandboxBackend[DockerSandbox]):
-    """One container per rollout from the harness's image (see module docstring)."""
+class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
+    """One container per rollout from the task's image, the harness laid over it (see module docstring)."""
 
     kind = "docker"
     sandbox_type = DockerSandbox
@@ -140,6 +104,7 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         self.host = socket.gethostname()
         self._live: set[str] = set()
         self._killed: set[str] = set()
+        self.task_images = TaskImages(self)
 
     # ---------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -203,132 +168,51 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         if not self.settings.keep_workspaces:
             remove_run_dirs(self.settings.workdir, self.run_id)
 
-    async def _remove(self, cid: str) -> None:
-        import aiodocker
-
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
-            try:
-                await self.docker.containers.container(cid).delete(force=True, v=True)
-            except aiodocker.DockerError as e:
-                if e.status != 404:
-                    log.warning("container_remove_failed", container=cid[:12], error=str(e))
-        self._live.discard(cid)
-
     # ------------------------------------------------------------------------------------------ helpers
     def _labels(self, req: RolloutRequest, role: str) -> dict[str, str]:
         return self._labels_for(req.rollout_id, role)
-
-    def _labels_for(self, rollout_id: str, role: str) -> dict[str, str]:
-        return {LABEL: "1", "bridle.run": self.run_id, "bridle.rollout": rollout_id, "bridle.role": role,
-                "bridle.host": self.host, "bridle.owner": str(os.getpid())}
-
-    def _host_config(self, binds: list[str], network: str) -> dict[str, Any]:
-        s = self.settings
-        return {
-            "Binds": binds,
-            "NetworkMode": network,
-            "NanoCpus": int(s.cpus * 1e9),
-            "Memory": self.memory_bytes,
-            "MemorySwap": self.memory_bytes,  # no swap beyond the limit
-            "PidsLimit": s.pids,
-            "Privileged": False,
-            "SecurityOpt": ["no-new-privileges"],
-            "CapDrop": ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SYS_CHROOT", "SETFCAP"],
-            "Init": True,  # reap zombies; the harness's exit status becomes the container's
-            "LogConfig": {"Type": "json-file", "Config": {"max-size": "4m", "max-file": "1"}},
-        }
-
-    async def _create_start(self, config: dict[str, Any], files: dict[str, tuple[bytes, int]],
-                            owned: list[Any]) -> Any:
-        """Create and start a container; it goes into ``owned`` (the caller removes it) as soon as it exists."""
-        # Shielded: a cancellation between the engine creating it and us learning its id would leak it.
-        with anyio.CancelScope(shield=True), anyio.fail_after(self.settings.api_timeout_s):
-            c = await self.docker.containers.create(config)
-            self._live.add(c.id)
-            owned.append(c)
-        with anyio.fail_after(self.settings.api_timeout_s):
-            if files:
-                await c.put_archive("/", tar_files(files))
-            await c.start()
-        return c
-
-    async def _wait(self, c: Any, limit_s: float) -> tuple[bool, dict[str, Any]]:
-        """(timed out, final State): wait for ``c`` to stop, kill it after ``limit_s``. Raises SandboxError when
-        the container disappears or the engine fails."""
-        import aiodocker
-
-        try:
-            with anyio.move_on_after(limit_s) as scope:
-                await c.wait()
-            if scope.cancelled_caught:
-                with anyio.fail_after(self.settings.api_timeout_s):
-                    await self._kill(c)
-                    await c.wait()
-            with anyio.fail_after(self.settings.api_timeout_s):
-                info = await c.show()
-            return scope.cancelled_caught, info["State"]
-        except aiodocker.DockerError as e:
-            raise SandboxError(f"the container disappeared or the engine failed: {e}") from None
-        except TimeoutError:
-            raise SandboxError(f"the Docker engine did not answer within {self.settings.api_timeout_s:g}s") from None
-
-    async def _kill(self, c: Any) -> None:
-        """SIGKILL the container (the kill is ours, not from outside)."""
-        import aiodocker
-
-        self._killed.add(c.id)
-        try:
-            await c.kill()
-        except aiodocker.DockerError as e:
-            if e.status != 409:  # 409: it stopped on its own meanwhile
-                raise
-
-    async def _logs(self, c: Any) -> str:
-        import aiodocker
-
-        try:
-            with anyio.fail_after(self.settings.api_timeout_s):
-                lines = await c.log(stdout=True, stderr=True, tail="200")
-            return tail("".join(lines))
-        except (aiodocker.DockerError, TimeoutError):
-            return ""
-
-    async def _killed_from_outside(self, c: Any, since: float) -> bool:
-        """Whether someone other than us sent the container a kill (docker kill / stop / rm -f)."""
-        import aiodocker
-
-        if c.id in self._killed:
-            return False
-        params = {"since": f"{since - 1:.3f}", "until": f"{time.time():.3f}",
-                  "filters": json.dumps({"container": [c.id], "event": ["kill", "die", "oom"]})}
-        try:
-            with anyio.fail_after(self.settings.api_timeout_s):
-                async with self.docker._query("events", method="GET", params=params) as resp:
-                    body = await resp.text()
-        except (aiodocker.DockerError, aiohttp.ClientError, TimeoutError):
-            return False  # events unavailable: fall back to the exit status alone
-        events = [json.loads(line) for line in body.splitlines() if line.strip()]
-        return any(e.get("Action") == "kill" for e in events) and not any(e.get("Action") == "oom" for e in events)
 
     # ------------------------------------------------------------------------------------------------ hooks
     async def prepare(self, box: DockerSandbox) -> None:
         if self.docker is None:
             raise RuntimeError("DockerBackend.run() before start(); call `await backend.start()` first")
-        # In a worker thread: seeding the workspace copies files, which must not stall the other rollouts.
-        await anyio.to_thread.run_sync(self._lay_out, box)
-
-    def _lay_out(self, box: DockerSandbox) -> None:
-        s, h, task = self.settings, box.harness, box.task
-        if s.network != "host" and not (box.proxy_socket and Path(box.proxy_socket).exists()):
+        h, s = box.harness, self.settings
+        if s.network != "host" and not (box.proxy_socket and await anyio.Path(box.proxy_socket).exists()):
             raise SandboxError(f"network {s.network!r} reaches the proxy through its Unix socket, but "
                                f"proxy_socket={box.proxy_socket!r} does not exist; set ProxySettings.unix_socket "
                                "(or DockerSettings.network='host')")
+        try:
+            box.image = await self.task_images.resolve(box.task)
+            payload = await self.task_images.payload(h)
+        except TaskImageError as e:
+            raise SandboxError(str(e)) from None
+        # In a worker thread: seeding the workspace copies files, which must not stall the other rollouts.
+        await anyio.to_thread.run_sync(self._lay_out, box, payload)
+
+    def _task_notes(self, box: DockerSandbox) -> TaskLimits:
+        s, task = self.settings, box.task
+        limits = task_limits(task, cpus=s.cpus, memory=self.memory_bytes, pids=s.pids)
+        box.notes.extend(limits.notes)
+        if task.config.environment.allow_internet and s.network == "none":
+            box.notes.append('the task asks allow_internet = true; not honoured: the agent reaches only the proxy '
+                             '([sandbox.docker] network = "none")')
+        return limits
+
+    def _lay_out(self, box: DockerSandbox, payload: Path) -> None:
+        s, h, task, image = self.settings, box.harness, box.task, box.image
+        assert image is not None
+        # The forwarder runs for every harness the image can run it for (python3), so that every sandbox looks the
+        # same from inside; a harness that talks to the policy needs it (_check_image), the oracle does not.
+        forward = s.network != "host" and (h.uses_proxy or image.python3)
+        box.task_limits = limits = self._task_notes(box)
         storage = parse_size(task.config.environment.storage, f"{task.root / 'task.toml'}: [environment] storage")
         box.root = root = rollout_dir(s.workdir, self.run_id, box.req.rollout_id)
-        ws = root / "app"
-        seed_workspace(task, ws)
-        binds = [f"{ws}:/app"]
-        box.limits = [(ws, storage or self.storage_bytes, "the workspace (/app)")]
+        ws, wd = root / "app", image.workdir
+        shutil.copytree(image.workspace, ws, symlinks=True)
+        if image.seed:
+            seed_workspace(task, ws)
+        binds = [f"{ws}:{wd}"]
+        box.limits = [(ws, storage or self.storage_bytes, f"the workspace ({wd})")]
         if h.needs_solution:
             shutil.copytree(task.root / "solution", root / "solution", symlinks=True)
             binds.append(f"{root / 'solution'}:/solution:ro")
@@ -336,31 +220,35 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
             (root / "home").mkdir(mode=0o700)
             binds.append(f"{root / 'home'}:{CONTAINER_HOME}")
             box.limits.append((root / "home", self.home_bytes, f"the harness's HOME ({CONTAINER_HOME})"))
+        binds.append(f"{payload}:{PAYLOAD_MOUNT}:ro")
         base_url = box.proxy_url.rstrip("/") if s.network == "host" else f"http://127.0.0.1:{s.forward_port}"
-        ctx = LaunchContext(workspace="/app", home=CONTAINER_HOME, base_url=base_url, token=box.req.token,
+        ctx = LaunchContext(workspace=wd, home=CONTAINER_HOME, base_url=base_url, token=box.req.token,
                             instruction=task.instruction, model=s.model, max_turns=s.max_turns,
-                            binary=h.container_binary, node=h.container_node, python="python3",
+                            binary=PAYLOAD_MOUNT + h.container_binary if h.container_binary else "",
+                            node=PAYLOAD_MOUNT + h.container_node if h.container_node else "", python="python3",
                             solution_dir="/solution" if h.needs_solution else "", whitebox_args=list(s.whitebox_args))
         box.launch = launch = h.launch(ctx, box.variant)
         cmd = launch.argv
-        if s.network != "host":
-            cmd = ["python3", "/opt/bridle/forwarder.py", "--listen", f"127.0.0.1:{s.forward_port}",
+        if forward:
+            cmd = ["python3", PAYLOAD_MOUNT + FORWARDER, "--listen", f"127.0.0.1:{s.forward_port}",
                    "--socket", CONTAINER_SOCKET, "--", *cmd]
             binds.append(f"{Path(box.proxy_socket).resolve()}:{CONTAINER_SOCKET}")
-        if write_seed(launch.files, root / "seed", ("/app", "/tmp", CONTAINER_HOME, *h.writable)):
+        if write_seed(launch.files, root / "seed", (wd, "/tmp", CONTAINER_HOME, *h.writable)):
             cmd = seeded(cmd)
             binds.append(f"{root / 'seed'}:{SEED_MOUNT}:ro")
+        _check_image(image, task, h.name, cmd)
         for part in ("app", "home", "seed", "solution"):
             if (root / part).exists():
                 give_to(root / part, *self.user)
         box.config = {
-            "Image": s.images.get(h.name) or h.image,
+            "Image": image.ref,
+            "Entrypoint": [],  # the task image's own ENTRYPOINT must not wrap the harness
             "Cmd": cmd,
             "User": "{}:{}".format(*self.user),
             "Env": [f"{k}={v}" for k, v in launch.env.items()],
-            "WorkingDir": "/app",
+            "WorkingDir": wd,
             "Labels": self._labels(box.req, "harness"),
-            "HostConfig": {**self._host_config(binds, s.network), **harness_host_config(
+            "HostConfig": {**self._host_config(binds, s.network, limits), **harness_host_config(
                 user=self.user, home="" if s.keep_workspaces else CONTAINER_HOME, writable=h.writable,
                 tmp_bytes=self.tmp_bytes, home_bytes=self.home_bytes, open_files=s.open_files,
                 file_bytes=min(self.file_bytes, box.limits[0][1]))},
@@ -403,6 +291,9 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         return HarnessExit(timed_out=timed_out, exit_code=exit_code, out_of_memory=bool(state.get("OOMKilled")),
                            killed_from_outside=outside)
 
+    def memory_limit_of(self, box: DockerSandbox) -> str | None:
+        return f"{box.task_limits.memory >> 20}m" if box.task_limits else self.memory_limit
+
     async def logs(self, box: DockerSandbox) -> str:
         return await self._logs(box.container) if box.container is not None else ""
 
@@ -425,57 +316,7 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
         await self._remove(box.container.id)
 
     async def verify(self, box: DockerSandbox) -> Verdict:
-        """Run tests/test.sh as root in a fresh container over the workspace, with tests/ read-only and 0700.
-
-        test.sh is the task author's (trusted); the built-in tasks' checker runs workspace code in a child as uid
-        65534, which can read neither /tests nor /logs (both 0700). The reward file is read on the host without
-        following links; test.sh's output stays in logs/verifier/test-stdout.txt and never reaches the details.
-        """
-        import aiodocker
-
-        assert box.root is not None
-        root, task = box.root, box.task
-        tests, logs = await anyio.to_thread.run_sync(_verifier_dirs, root, task)
-        limit_s = task.config.verifier.timeout_sec
-        config = {
-            "Image": self.settings.verifier_image or BASE_IMAGE,
-            "Cmd": ["bash", "-c", "bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1"],
-            "Env": [f"{k}={v}" for k, v in task.config.verifier.env.items()],
-            "User": "0:0",
-            "WorkingDir": "/app",
-            "Labels": self._labels(box.req, "verifier"),
-            "HostConfig": self._verifier_host_config(
-                [f"{root / 'app'}:/app", f"{tests}:/tests:ro", f"{logs}:/logs"]
-            ),
-        }
-        try:
-            c = await self._create_start(config, {}, box.containers)
-        except (aiodocker.DockerError, TimeoutError) as e:
-            raise VerifierError(f"could not start the verifier container ({config['Image']}): {e}") from None
-        try:
-            timed_out, state = await self._wait(c, limit_s)
-        except SandboxError as e:
-            raise VerifierError(f"verifier container failed: {e}") from None
-        await self._remove(c.id)
-        if timed_out:
-            raise VerifierError(f"test.sh timed out after {limit_s:g}s")
-        code = state.get("ExitCode")
-        try:
-            reward, parts = await anyio.to_thread.run_sync(read_reward, logs / "verifier")
-        except RewardError as e:
-            raise VerifierError(f"{e} (test.sh exit code {code})") from None
-        rewards = {**parts, "rule": reward}
-        return Verdict(reward=reward, rewards=rewards, summary=summarize(reward, rewards, code))
-
-    def _verifier_host_config(self, binds: list[str]) -> dict[str, Any]:
-        """The harness's limits, but root with just what the trusted checker needs: read the 0700 tests/ and write
-        logs/ whoever owns them on the host (DAC_OVERRIDE), and drop its child to another uid (SETUID, SETGID)."""
-        return {
-            **self._host_config(binds, "none"),
-            "CapDrop": ["ALL"],
-            "CapAdd": ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID", "KILL"],
-            "ReadonlyRootfs": False,  # the checker copies the workspace to /tmp for its child
-        }
+        return await verify_in_container(self, box)
 
     async def cleanup(self, box: DockerSandbox) -> None:
         for c in box.containers:
@@ -508,15 +349,13 @@ class DockerBackend(SandboxBackend[DockerSandbox]):
                 await self._remove(c.id)
 
 
-def _verifier_dirs(root: Path, task: Task) -> tuple[Path, Path]:
-    """(tests, logs) for the verifier container: a fresh copy of the task's tests/ and an empty logs/verifier/,
-    both 0700 (root in the container reaches them; its uid-65534 child does not)."""
-    tests, logs = root / "tests", root / "logs"
-    fresh_dir(tests)
-    tests.rmdir()
-    shutil.copytree(task.tests_dir, tests, symlinks=True)
-    tests.chmod(0o700)
-    fresh_dir(logs, 0o700)
-    fresh_dir(logs / "verifier", 0o700)
-    return tests, logs
-
+def _check_image(image: TaskImage, task: Task, harness: str, cmd: list[str]) -> None:
+    """Refuse a harness command the task's image cannot run: python3 for the forwarder, the launcher's config files
+    and the white-box harness; bash for the oracle's solve.sh."""
+    if cmd[0] == "python3" and not image.python3:
+        raise SandboxError(f"the task image {image.ref} (task {task.id}) has no python3, which the {harness} harness "
+                           "needs in Docker: bridle's forwarder (its only way to the proxy) and launcher are python3 "
+                           "scripts; add python3 to the task's environment/Dockerfile")
+    if cmd[0] == "bash" and not image.bash:
+        raise SandboxError(f"the task image {image.ref} (task {task.id}) has no bash, which runs solution/solve.sh; "
+                           "add bash to the task's environment/Dockerfile")
