@@ -155,7 +155,9 @@ class ProxyActor(Actor[ProxyActorSettings]):
         if not msg.weights_path:
             self.proxy.policy_version = msg.version
             return
-        with anyio.fail_after(self.config.update_timeout_s):
+        # Shielded: a stop that lands mid-push (the run ending right after its last step) must not leave one engine
+        # behind a router on the new weights and another on the old; the push is bounded by its own timeout.
+        with anyio.CancelScope(shield=True), anyio.fail_after(self.config.update_timeout_s):
             t0 = anyio.current_time()
             await engine.update_weights(msg.weights_path, msg.version)
             dt = anyio.current_time() - t0
