@@ -187,10 +187,15 @@ class Relay:
 
 class _NodeDocker(DockerBackend):
     """The Docker backend inside one rollout's Ray task: one of many processes of the run on its node, so it
-    reaps only containers whose owner died; it remembers the rollout's folder, to send a kept one back."""
+    reaps only containers whose owner died; it remembers the rollout's folder, to send a kept one back, and labels
+    its containers with the Ray node's id (``bridle.ray_node``)."""
 
     sole_owner = False
     root: Path | None = None
+    node_id = ""
+
+    def _labels_for(self, rollout_id: str, role: str) -> dict[str, str]:
+        return {**super()._labels_for(rollout_id, role), "bridle.ray_node": self.node_id}
 
     async def cleanup(self, box: DockerSandbox) -> None:
         self.root = box.root
@@ -223,6 +228,7 @@ async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeR
     except (OSError, tarfile.TarError, TaskError) as e:
         return failed(f"could not unpack the task: {e}")
     backend = _NodeDocker(job.docker, run_id=job.run_id)
+    backend.node_id = node_id
     try:
         await backend.start()
     except RuntimeError as e:
@@ -309,8 +315,11 @@ class RayBackend:
         with anyio.CancelScope(shield=True):
             for node_id, relay in list(self._relays.items()):
                 with anyio.move_on_after(5):
-                    log.info("relay_stats", node=node_id, **await relay.stats.remote())
-                    await relay.stop.remote()
+                    try:
+                        log.info("relay_stats", node=node_id, **await relay.stats.remote())
+                        await relay.stop.remote()
+                    except ray.exceptions.RayError as e:  # its node is gone, and the relay with it
+                        log.info("relay_lost", node=node_id, error=type(e).__name__)
                 ray.kill(relay)
             self._relays.clear()
             if self._owns_ray:
