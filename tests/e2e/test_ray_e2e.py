@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import pytest
 from pipeline.core.eventlog import EventLogReader
 from pipeline.core.runfiles import run_tag
 from pipeline.messages import RolloutFinished
+from pipeline.rollout.sandbox.ray_backend import relay_socket
 from tests.helpers.ci import require
 from tests.helpers.docker import containers_of
 from tests.rollout.conftest import images  # noqa: F401 (the fixture: the white-box image, or skip / fail)
@@ -104,9 +106,11 @@ def test_quickstart_on_two_ray_nodes_survives_losing_the_worker(cluster, tmp_pat
     assert all(e["node"] == nodes["head"] for e in later)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["kind"] == "rl_step"] == [1, 2, 3]
-    # The killed node's containers outlive it (the Docker engine is not Ray's); nothing of the head's is left.
+    # The killed node's containers and relay folder outlive it (the Docker engine is not Ray's); what a later run
+    # on that node reaps. Removed here, for this machine.
     for cid in containers_of(run_tag(run_dir)):
         subprocess.run(["docker", "rm", "-f", cid], capture_output=True, check=False)
+    shutil.rmtree(relay_socket("", run_tag(run_dir), nodes["worker"]).parent, ignore_errors=True)
 
 
 def _worker_sandbox_running(node_id: str, run: str) -> bool:
