@@ -13,7 +13,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from pipeline.core.config import Experiment, PosInt, Section
+from pipeline.core.config import ConfigError, Experiment, PosInt, Section
 from pipeline.core.runfiles import run_tag
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, RolloutFinished, RolloutRequest, ServiceReady
@@ -25,18 +25,31 @@ from pipeline.rollout.sandbox import (
     LocalSettings,
     SandboxBackend,
 )
+from pipeline.rollout.sandbox.ray_backend import RayBackend, RaySettings
 from pipeline.rollout.tasks import TaskError, load_task
 
 
 class SandboxConfig(Section):
-    backend: Literal["local", "docker"] = "local"
+    backend: Literal["local", "docker", "ray"] = "local"
     concurrency: PosInt = 4
     local: LocalSettings = msgspec.field(default_factory=LocalSettings)
-    docker: DockerSettings = msgspec.field(default_factory=DockerSettings)
+    docker: DockerSettings = msgspec.field(default_factory=DockerSettings)  # also each Ray node's sandboxes
+    ray: RaySettings = msgspec.field(default_factory=RaySettings)
     judge: JudgeSettings | None = None  # the rubric judge; none: the rule reward alone
     reloadable = frozenset({"concurrency"})
 
     def check(self, name: str, exp: Experiment) -> None:
+        if self.backend == "ray":
+            try:
+                self.ray.check(f"[{name}.ray]")
+            except ValueError as e:
+                raise ConfigError(f"{exp.source}: {e}") from None
+            if self.docker.network == "host":
+                raise ConfigError(f'{exp.source}: [{name}.docker] network = "host" cannot reach the proxy from '
+                                  f'another node; the ray backend needs "none" or "bridge" (its relays)')
+            if self.judge is not None:
+                raise ConfigError(f"{exp.source}: [{name}.judge] is not supported with the ray backend yet (the "
+                                  "judge reads the workspace where the verifier ran); remove it or use docker")
         if self.judge is not None:
             self.judge.check(f"[{name}].judge", exp.source)
 
@@ -45,9 +58,15 @@ class SandboxPool(Actor[SandboxConfig]):
     Config = SandboxConfig
     outputs = ("finished", "metrics")
 
-    def _backend(self, run_id: str) -> SandboxBackend:
-        backend: SandboxBackend = (LocalBackend(self.config.local, run_id=run_id) if self.config.backend == "local"
-                                   else DockerBackend(self.config.docker, run_id=run_id))
+    def _backend(self, run_id: str) -> SandboxBackend | RayBackend:
+        c = self.config
+        backend: SandboxBackend | RayBackend
+        if c.backend == "ray":
+            backend = RayBackend(c.ray, c.docker, run_id=run_id)
+        elif c.backend == "docker":
+            backend = DockerBackend(c.docker, run_id=run_id)
+        else:
+            backend = LocalBackend(c.local, run_id=run_id)
         if self.config.judge is not None:
             backend.judge = Judge(self.config.judge)
         return backend
@@ -79,7 +98,7 @@ class SandboxPool(Actor[SandboxConfig]):
                 if backend.judge is not None:
                     await backend.judge.aclose()
 
-    async def _one(self, backend: SandboxBackend, req: RolloutRequest, service: ServiceReady) -> None:
+    async def _one(self, backend: SandboxBackend | RayBackend, req: RolloutRequest, service: ServiceReady) -> None:
         async with self.limiter:
             self.running += 1
             try:

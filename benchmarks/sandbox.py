@@ -2,6 +2,7 @@
 """Sandbox backends: start-to-ready latency and how many idle sandboxes this machine sustains.
 
     python benchmarks/sandbox.py [--backends local,docker] [--samples 20] [--concurrent 64]
+    python benchmarks/sandbox.py --ray-address HOST:PORT [--starts 64] [--starts-concurrency 8]
 
 start-to-ready: RolloutTimings.sandbox_ready - queued for a rollout whose harness exits at once (workspace laid
 out, process / container started; Docker: container created, files copied in, started). Also the whole rollout
@@ -9,6 +10,11 @@ out, process / container started; Docker: container created, files copied in, st
 the table shows how many were running at once and their memory: the PSS of every process of a sandbox
 (Docker: including the container's containerd shim), averaged over the sandboxes. Goal: 64 on 2 cores / 24 GB.
 Docker needs the images (``python -m pipeline.rollout.images``).
+
+With ``--ray-address`` (a running cluster whose nodes declare ``bridle_docker``), a second table puts the Ray
+backend beside the local Docker backend: ``--starts`` quick rollouts, ``--starts-concurrency`` at a time; sandboxes
+started per second (rollouts / wall time) and the p50 start latency (from submission here to the harness's container
+started, on whichever node).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend
 from pipeline.rollout.sandbox.local import MARKER_ID, MARKER_RUN
+from pipeline.rollout.sandbox.ray_backend import RayBackend, RaySettings
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import Task, materialize
 from pipeline.serving.proxy import Proxy, ProxySettings
@@ -156,12 +163,57 @@ async def bench(kind: str, samples: int, concurrent: int, tmp: Path) -> dict:
     return row
 
 
+async def starts(kind: str, n: int, concurrency: int, ray_address: str, tmp: Path) -> dict:
+    """Docker vs Ray, side by side: ``n`` quick rollouts, ``concurrency`` at a time."""
+    sock = tmp / f"starts-{kind}.sock"
+    docker = DockerSettings(cpus=0.5, memory="256m")
+    backend = (RayBackend(RaySettings(address=ray_address), docker, run_id="bench-ray") if kind == "ray"
+               else DockerBackend(docker))
+    await backend.start()
+    quick = task_with(tmp, f"starts-{kind}", "exit 0")
+    latency: list[float] = []
+    limiter = anyio.CapacityLimiter(concurrency)
+    async with scripted_proxy(sock) as proxy:
+
+        async def one(i: int) -> None:
+            async with limiter:
+                t0 = time.time()
+                fin = await backend.run(req(5000 + i, quick, 60), quick, proxy_url=proxy.base_url,
+                                        proxy_socket=str(sock))
+                if fin.status != "ok":
+                    raise RuntimeError(f"{kind}: rollout failed: {fin.status} {fin.details}")
+                latency.append(fin.timings.sandbox_ready - t0)
+
+        await one(-1)  # warm-up: images resolved, relays and Ray workers started
+        latency.clear()
+        t0 = time.time()
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(one, i)
+        wall = time.time() - t0
+    await backend.aclose()
+    return {"backend": kind, "per_s": n / wall, "p50": float(np.percentile(latency, 50)),
+            "p95": float(np.percentile(latency, 95))}
+
+
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="local,docker")
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--concurrent", type=int, default=64)
+    p.add_argument("--ray-address", default="", help="a Ray cluster: also compare the ray backend with docker")
+    p.add_argument("--starts", type=int, default=64)
+    p.add_argument("--starts-concurrency", type=int, default=8)
     args = p.parse_args()
+    if args.ray_address:
+        with tempfile.TemporaryDirectory(prefix="bridle-bench-") as tmp:
+            side = [await starts(kind, args.starts, args.starts_concurrency, args.ray_address, Path(tmp))
+                    for kind in ("docker", "ray")]
+        print(f"\n{args.starts} quick rollouts, {args.starts_concurrency} at a time")
+        print("backend | sandboxes started/s | start p50 ms | start p95 ms\n--- | --- | --- | ---")
+        for r in side:
+            print(f"{r['backend']} | {r['per_s']:.2f} | {r['p50'] * 1e3:.0f} | {r['p95'] * 1e3:.0f}")
+        return
     rows = []
     with tempfile.TemporaryDirectory(prefix="bridle-bench-") as tmp:
         for kind in args.backends.split(","):

@@ -86,6 +86,10 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
     kind = "docker"
     sandbox_type = DockerSandbox
     cleanup_timeout_s = 2 * CLEANUP_TIMEOUT_S  # two steps: remove the containers, hand the files back
+    # Whether this backend is the run's only one on its host: then what it does not hold of its run is a crash's
+    # leftover. False where several processes share a run on one host (the Ray backend's per-rollout workers): each
+    # removes only containers whose owning process is gone, never its siblings' live ones or their workspaces.
+    sole_owner = True
 
     def __init__(self, settings: DockerSettings | None = None, *, run_id: str = ""):
         super().__init__(run_id=run_id)
@@ -134,12 +138,12 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
         n = 0
         for c in found:
             labels = c._container.get("Labels") or {}
-            mine = labels.get("bridle.run") == self.run_id and c.id not in self._live
+            mine = self.sole_owner and labels.get("bridle.run") == self.run_id and c.id not in self._live
             orphan = labels.get("bridle.host") == self.host and not pid_alive(int(labels.get("bridle.owner", 0)))
             if mine or orphan:
                 await self._remove(c.id)
                 n += 1
-        dirs = 0 if self.settings.keep_workspaces else await self._remove_run_dirs()
+        dirs = 0 if self.settings.keep_workspaces or not self.sole_owner else await self._remove_run_dirs()
         if n or dirs:
             log.warning("reaped_leftovers", run=self.run_id, containers=n, workspaces=dirs)
         return n
@@ -165,7 +169,7 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
         """Synchronously, for a process that exits without cleanup (a second Ctrl-C): remove this run's live
         containers with the docker CLI (the event loop will not run again), then the rollout directories."""
         remove_containers_now(sorted(self._live), self.settings.docker_url)
-        if not self.settings.keep_workspaces:
+        if not self.settings.keep_workspaces and self.sole_owner:
             remove_run_dirs(self.settings.workdir, self.run_id)
 
     # ------------------------------------------------------------------------------------------ helpers

@@ -1,0 +1,432 @@
+"""The Ray sandbox backend: each rollout's Docker sandbox on a node of a Ray cluster, placed by Ray.
+
+Per rollout, one Ray task asks for one unit of ``[sandbox.ray] resource`` (a custom resource that each node with a
+Docker engine declares, one unit per sandbox it may hold), so Ray's scheduler (and an autoscaler: KubeRay, Slurm)
+decides where it runs. On that node the task runs the Docker backend's own template (:mod:`.docker`: the same
+image, limits, network ``none`` and hardening) over the task folder it was sent through Ray's object store, and
+returns a msgspec-encoded :class:`NodeResult`: the :class:`~pipeline.messages.RolloutFinished` (the verifier's
+result), the node it ran on and, with ``keep_workspaces``, the rollout's folder (workspace, HOME with the harness's
+transcript) as a tar archive, unpacked on this machine. Nothing goes through a shared disk.
+
+The proxy: every node with the resource gets one :class:`Relay` actor (pinned to it by node affinity) that listens
+on a Unix socket in a node-local folder and relays each connection's bytes to the proxy's TCP address; that socket
+is what the node's containers get mounted as ``/run/bridle/proxy.sock``, so a container reaches the proxy through
+its node's relay and nothing else. The rollout token still authenticates every call at the proxy. Relays are made
+for the nodes that are there when rollouts start and for nodes that join later (the node list is read again every
+``node_check_s``).
+
+Node loss: a rollout's task is never retried (``max_retries=0``: a rollout must not run twice against the proxy);
+a task whose node or worker died ends as ``sandbox_error`` with Ray's reason, and the run goes on with the nodes
+left. Every node needs the bridle package importable by Ray's workers, a Docker engine with the sandbox images
+(``python run.py --build-images``) and a route to the proxy's TCP port (``[proxy] host`` / ``port``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import shutil
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.abc
+import msgspec
+
+from pipeline.core.logs import get_logger
+from pipeline.core.runfiles import safe_name
+from pipeline.messages import RolloutFinished, RolloutRequest
+from pipeline.rollout.judge import Judge
+from pipeline.rollout.sandbox.base import harness_limit
+from pipeline.rollout.sandbox.container import DockerSandbox, DockerSettings
+from pipeline.rollout.sandbox.docker import DockerBackend
+from pipeline.rollout.tasks import Task, TaskError, load_task
+
+log = get_logger(component="sandbox")
+
+INSTALL_HINT = "the ray sandbox backend needs Ray: pip install 'bridle[ray]'"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+class RaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[sandbox.ray]``: where the cluster is and what a rollout asks of it. The sandboxes' own settings are
+    ``[sandbox.docker]``'s (each node runs the Docker backend)."""
+
+    address: str = "auto"  # ray.init's address: "auto" (the cluster this machine joined with `ray start`), host:port
+    namespace: str = "bridle"
+    resource: str = "bridle_docker"  # the custom resource of a node with Docker: one unit per sandbox it may hold
+    resources: dict[str, float] = msgspec.field(default_factory=dict)  # more per rollout (e.g. a node-type label)
+    num_cpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # Ray CPUs per rollout (the container's are Docker's)
+    # host:port the nodes dial for the proxy. Default: the proxy's own address, a wildcard host ([proxy] host =
+    # "0.0.0.0") replaced by this machine's address in the cluster.
+    proxy_address: str = ""
+    relay_dir: str = ""  # node-local folder for the relays' sockets (default: each node's temp dir)
+    workspaces: str = ""  # where kept workspaces come back to here (default: [sandbox.docker] workdir, else temp)
+    connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # ray.init, a relay's start
+    # A rollout's task may take its harness limit plus this (image builds, the verifier, transfers), then it is
+    # cancelled and the rollout is a sandbox_error.
+    overhead_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
+    node_check_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # how often the node list is read for new nodes
+
+    def check(self, where: str) -> None:
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(f"{where}: {INSTALL_HINT}")
+        if not self.resource:
+            raise ValueError(f"{where}.resource: name the custom resource the Docker nodes declare "
+                             "(ray start --resources '{\"bridle_docker\": 8}')")
+        if self.resource in self.resources:
+            raise ValueError(f"{where}.resources: {self.resource!r} is [sandbox.ray] resource itself (one unit per "
+                             "rollout); list only other resources")
+        if self.proxy_address:
+            split_address(self.proxy_address, f"{where}.proxy_address")
+
+
+class NodeJob(msgspec.Struct, kw_only=True):
+    """What a rollout's task is sent (beside the task folder's archive)."""
+
+    request: RolloutRequest
+    docker: DockerSettings
+    run_id: str
+    relay_dir: str
+    task_hash: str  # the task folder archive's sha256: its node-local copy's folder
+    task_name: str  # the folder's own name (a task's id may come from it)
+
+
+class NodeResult(msgspec.Struct, kw_only=True):
+    """What a rollout's task returns."""
+
+    finished: RolloutFinished
+    node_id: str
+    workspace_name: str = ""  # the rollout folder's name, with keep_workspaces
+    workspace: bytes = b""  # its tar archive
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError(INSTALL_HINT) from None
+    return ray
+
+
+def split_address(address: str, where: str) -> tuple[str, int]:
+    """``host:port`` as (host, port); ValueError naming ``where`` otherwise."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{where}: expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def relay_socket(relay_dir: str, run_id: str, node_id: str) -> Path:
+    """The relay's socket on its node (short: a Unix socket's path must stay under 108 bytes)."""
+    base = Path(relay_dir or tempfile.gettempdir())
+    return base / f"bridle-relay-{safe_name(run_id, 24)}-{node_id[:12]}" / "proxy.sock"
+
+
+def relay_name(run_id: str, node_id: str) -> str:
+    return f"bridle-relay-{run_id}-{node_id}"
+
+
+class Relay:
+    """One per node (a Ray actor): the node's containers' Unix socket, each connection relayed to the proxy's TCP
+    address byte for byte (the proxy authenticates each call by its rollout token)."""
+
+    def __init__(self, path: str, host: str, port: int, connect_timeout_s: float):
+        self.path, self.host, self.port, self.connect_timeout_s = Path(path), host, port, connect_timeout_s
+        self.counts = {"connections": 0, "failed": 0, "bytes_up": 0, "bytes_down": 0}
+        self._listener: anyio.abc.SocketListener | None = None
+
+    async def start(self) -> str:
+        """Listen (the socket open to every uid: the harness runs as its own); returns the socket's path."""
+        import asyncio
+
+        self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self.path.unlink(missing_ok=True)
+        self._listener = await anyio.create_unix_listener(self.path, mode=0o666)
+        # The actor's event loop keeps the accept loop going between method calls.
+        self._serving = asyncio.get_running_loop().create_task(self._listener.serve(self._relay))
+        return str(self.path)
+
+    async def stats(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._serving.cancel()
+            await self._listener.aclose()
+            self._listener = None
+        shutil.rmtree(self.path.parent, ignore_errors=True)
+
+    async def _relay(self, client: anyio.abc.SocketStream) -> None:
+        self.counts["connections"] += 1
+        async with client:
+            try:
+                with anyio.fail_after(self.connect_timeout_s):
+                    upstream = await anyio.connect_tcp(self.host, self.port)
+            except (OSError, TimeoutError):
+                self.counts["failed"] += 1  # the harness sees its connection closed, as when the proxy is down
+                return
+            async with upstream, anyio.create_task_group() as tg:
+                tg.start_soon(self._pump, client, upstream, "bytes_up")
+                tg.start_soon(self._pump, upstream, client, "bytes_down")
+
+    async def _pump(self, src: anyio.abc.SocketStream, dst: anyio.abc.SocketStream, counter: str) -> None:
+        try:
+            async for chunk in src:
+                self.counts[counter] += len(chunk)
+                await dst.send(chunk)
+            await dst.send_eof()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await dst.aclose()
+
+
+class _NodeDocker(DockerBackend):
+    """The Docker backend inside one rollout's Ray task: one of many processes of the run on its node, so it
+    reaps only containers whose owner died; it remembers the rollout's folder, to send a kept one back, and labels
+    its containers with the Ray node's id (``bridle.ray_node``)."""
+
+    sole_owner = False
+    root: Path | None = None
+    node_id = ""
+
+    def _labels_for(self, rollout_id: str, role: str) -> dict[str, str]:
+        return {**super()._labels_for(rollout_id, role), "bridle.ray_node": self.node_id}
+
+    async def cleanup(self, box: DockerSandbox) -> None:
+        self.root = box.root
+        await super().cleanup(box)
+
+
+def run_on_node(job_bytes: bytes, task_archive: bytes) -> bytes:
+    """A rollout's Ray task: the Docker backend's run on this node, its result msgspec-encoded."""
+    import ray
+
+    job = msgspec.msgpack.decode(job_bytes, type=NodeJob)
+    node_id = ray.get_runtime_context().get_node_id()
+    return msgspec.msgpack.encode(anyio.run(_run_on_node, job, task_archive, node_id))
+
+
+async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeResult:
+    req = job.request
+
+    def failed(details: str) -> NodeResult:
+        fin = RolloutFinished(rollout_id=req.rollout_id, group_id=req.group_id, status="sandbox_error",
+                              details=f"node {node_id[:12]}: {details}")
+        return NodeResult(finished=fin, node_id=node_id)
+
+    sock = relay_socket(job.relay_dir, job.run_id, node_id)
+    if not await anyio.Path(sock).exists():
+        return failed(f"no proxy relay at {sock} (a node that joined moments ago gets one within "
+                      "[sandbox.ray] node_check_s)")
+    try:
+        task = await anyio.to_thread.run_sync(_unpacked_task, task_archive, job.task_hash, job.task_name)
+    except (OSError, tarfile.TarError, TaskError) as e:
+        return failed(f"could not unpack the task: {e}")
+    backend = _NodeDocker(job.docker, run_id=job.run_id)
+    backend.node_id = node_id
+    try:
+        await backend.start()
+    except RuntimeError as e:
+        return failed(str(e))
+    try:
+        fin = await backend.run(req, task, proxy_url="", proxy_socket=str(sock))
+    except BaseException:  # a cancelled task: nothing of the sandbox may outlive it
+        backend.emergency_stop()
+        raise
+    finally:
+        await backend.aclose()
+    out = NodeResult(finished=fin, node_id=node_id)
+    if job.docker.keep_workspaces and backend.root is not None:
+        out.workspace_name = backend.root.name
+        try:
+            out.workspace = await anyio.to_thread.run_sync(_tar, backend.root)
+        except OSError as e:
+            log.warning("workspace_not_sent", rollout=req.rollout_id, node=node_id, error=str(e))
+        else:
+            await anyio.to_thread.run_sync(shutil.rmtree, backend.root, True)
+    return out
+
+
+def _unpacked_task(archive: bytes, digest: str, name: str) -> Task:
+    """The task folder from its archive, unpacked once per node into a folder named by its hash."""
+    root = Path(tempfile.gettempdir()) / "bridle-ray-tasks" / digest
+    if not root.is_dir():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=root.parent))
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tmp, filter="data")
+        try:
+            tmp.rename(root)
+        except OSError:  # another rollout of the same task unpacked it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    return load_task(root / name)
+
+
+def _tar(root: Path, arcname: str = ".") -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        tar.add(root, arcname=arcname)
+    return buf.getvalue()
+
+
+class RayBackend:
+    """Rollouts as Ray tasks on the cluster's Docker nodes (see the module docstring). Runs in the sandbox actor's
+    process, which is the Ray driver."""
+
+    kind = "ray"
+    judge: Judge | None = None  # refused by the config check: the judge reads the workspace where it runs
+
+    def __init__(self, settings: RaySettings, docker: DockerSettings, *, run_id: str):
+        self.settings, self.docker, self.run_id = settings, docker, run_id
+        self._remote: Any = None
+        self._owns_ray = False
+        self._relays: dict[str, Any] = {}  # node id -> its Relay actor
+        self._listed = -float("inf")
+        self._relay_lock = anyio.Lock()
+        self._tasks: dict[Path, tuple[str, Any]] = {}  # task folder -> (archive hash, its object ref)
+
+    async def start(self) -> None:
+        ray = _ray()
+        s = self.settings
+
+        def connect() -> None:
+            if not ray.is_initialized():
+                ray.init(address=s.address, namespace=s.namespace, log_to_driver=False,
+                         logging_level="warning", configure_logging=False)
+                self._owns_ray = True
+
+        try:
+            with anyio.fail_after(s.connect_timeout_s):
+                await anyio.to_thread.run_sync(connect, abandon_on_cancel=True)
+        except (ConnectionError, RuntimeError, TimeoutError) as e:
+            raise RuntimeError(f"cannot join the Ray cluster at [sandbox.ray] address = {s.address!r} "
+                               f"({type(e).__name__}: {e}); start it with `ray start --head --resources "
+                               f"'{{\"{s.resource}\": 8}}'` (configs/ray-cluster.toml)") from None
+        self._remote = ray.remote(run_on_node)
+        self._relay_actor = ray.remote(Relay)
+
+    async def aclose(self) -> None:
+        ray = _ray()
+        with anyio.CancelScope(shield=True):
+            for node_id, relay in list(self._relays.items()):
+                with anyio.move_on_after(5):
+                    try:
+                        log.info("relay_stats", node=node_id, **await relay.stats.remote())
+                        await relay.stop.remote()
+                    except ray.exceptions.RayError as e:  # its node is gone, and the relay with it
+                        log.info("relay_lost", node=node_id, error=type(e).__name__)
+                ray.kill(relay)
+            self._relays.clear()
+            if self._owns_ray:
+                await anyio.to_thread.run_sync(ray.shutdown)
+                self._owns_ray = False
+
+    async def relay_stats(self) -> dict[str, dict[str, int]]:
+        """Each relay's counters, by node id (the nodes still alive)."""
+        ray = _ray()
+        out = {}
+        for node_id, relay in self._relays.items():
+            try:
+                out[node_id] = await relay.stats.remote()
+            except ray.exceptions.RayError:
+                continue
+        return out
+
+    async def run(self, req: RolloutRequest, task: Task, *, proxy_url: str, proxy_socket: str = "") -> RolloutFinished:
+        """One rollout on a node Ray picks. ``proxy_url``: the proxy's TCP address (what the relays dial);
+        ``proxy_socket`` is this machine's and unused."""
+        ray = _ray()
+        await self._ensure_relays(proxy_url)
+        digest, archive = await self._task_archive(task)
+        job = NodeJob(request=req, docker=self.docker, run_id=self.run_id, relay_dir=self.settings.relay_dir,
+                      task_hash=digest, task_name=task.root.name)
+        s = self.settings
+        ref = self._remote.options(
+            resources={s.resource: 1, **s.resources}, num_cpus=s.num_cpus, max_retries=0, retry_exceptions=False,
+            name=f"bridle-rollout-{req.rollout_id}",
+        ).remote(msgspec.msgpack.encode(job), archive)
+        limit = harness_limit(req, task) + s.overhead_s
+        try:
+            with anyio.fail_after(limit):
+                raw = await ref
+        except ray.exceptions.RayError as e:
+            return self._lost(req, f"its Ray task failed ({type(e).__name__}): {str(e)[:2000]}")
+        except TimeoutError:
+            ray.cancel(ref, force=True)
+            return self._lost(req, f"no result within {limit:g}s (its harness limit + [sandbox.ray] overhead_s)")
+        except BaseException:
+            ray.cancel(ref)  # the task removes its containers on the way out
+            raise
+        out = msgspec.msgpack.decode(raw, type=NodeResult)
+        if out.workspace:
+            await anyio.to_thread.run_sync(self._unpack_workspace, out)
+        log.info("ray_rollout", rollout=req.rollout_id, node=out.node_id, status=out.finished.status)
+        return out.finished
+
+    def _lost(self, req: RolloutRequest, why: str) -> RolloutFinished:
+        log.warning("ray_rollout_lost", rollout=req.rollout_id, why=why)
+        return RolloutFinished(rollout_id=req.rollout_id, group_id=req.group_id, status="sandbox_error",
+                               details=f"the sandbox's node was lost: {why}")
+
+    def _unpack_workspace(self, out: NodeResult) -> None:
+        where = Path(self.settings.workspaces or self.docker.workdir or tempfile.gettempdir())
+        dest = where / out.workspace_name
+        dest.mkdir(parents=True)
+        with tarfile.open(fileobj=io.BytesIO(out.workspace)) as tar:
+            tar.extractall(dest, filter="data")
+
+    async def _task_archive(self, task: Task) -> tuple[str, Any]:
+        """The task folder as a tar archive in Ray's object store (once per task), and its hash."""
+        if task.root not in self._tasks:
+            data = await anyio.to_thread.run_sync(_tar, task.root, task.root.name)
+            self._tasks[task.root] = (hashlib.sha256(data).hexdigest()[:32], _ray().put(data))
+        return self._tasks[task.root]
+
+    async def _ensure_relays(self, proxy_url: str) -> None:
+        """A relay on every alive node with the resource (read again every ``node_check_s``)."""
+        if time.monotonic() - self._listed < self.settings.node_check_s:
+            return
+        async with self._relay_lock:
+            if time.monotonic() - self._listed < self.settings.node_check_s:
+                return
+            ray = _ray()
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            host, port = self._proxy_address(proxy_url)
+            nodes = await anyio.to_thread.run_sync(ray.nodes)
+            for n in nodes:
+                node_id = n["NodeID"]
+                if not n["Alive"] or n["Resources"].get(self.settings.resource, 0) <= 0 or node_id in self._relays:
+                    continue
+                relay = self._relay_actor.options(
+                    name=relay_name(self.run_id, node_id), num_cpus=0, max_restarts=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                ).remote(str(relay_socket(self.settings.relay_dir, self.run_id, node_id)), host, port,
+                         self.settings.connect_timeout_s)
+                try:
+                    with anyio.fail_after(self.settings.connect_timeout_s):
+                        path = await relay.start.remote()
+                except (ray.exceptions.RayError, TimeoutError) as e:
+                    log.warning("relay_not_started", node=node_id, error=f"{type(e).__name__}: {e}")
+                    ray.kill(relay)
+                    continue
+                self._relays[node_id] = relay
+                log.info("relay_started", node=node_id, ip=n.get("NodeManagerAddress"), socket=path,
+                         proxy=f"{host}:{port}")
+            self._listed = time.monotonic()
+
+    def _proxy_address(self, proxy_url: str) -> tuple[str, int]:
+        if self.settings.proxy_address:
+            return split_address(self.settings.proxy_address, "[sandbox.ray] proxy_address")
+        url = urlsplit(proxy_url)
+        host = url.hostname or ""
+        if host in WILDCARD_HOSTS:
+            host = _ray().util.get_node_ip_address()
+        if url.port is None:
+            raise ValueError(f"the proxy's address {proxy_url!r} has no port; set [sandbox.ray] proxy_address")
+        return host, url.port

@@ -1,0 +1,123 @@
+"""The Ray sandbox backend on a real two-node Ray cluster on this machine (head and worker: separate raylets, temp
+dirs and process groups): a sandbox on the worker node reaches the proxy through its node's relay and nothing else,
+its workspace comes back through Ray (not the disk the node wrote), and the config refuses what it cannot do.
+
+The quickstart across both nodes, with the worker killed mid-run: tests/e2e/test_ray_e2e.py. Needs Docker and Ray:
+skipped on a laptop without them, required in CI.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from pipeline.messages import RolloutRequest
+from pipeline.rollout.sandbox import DockerSettings
+from pipeline.rollout.sandbox.ray_backend import RayBackend, RaySettings
+from pipeline.rollout.taskgen import generate
+from pipeline.rollout.tasks import Task, materialize
+from tests.helpers.ci import require
+from tests.helpers.docker import OFFLINE, containers_of
+from tests.helpers.proxyutil import running_proxy
+
+pytestmark = [pytest.mark.anyio, pytest.mark.docker]
+
+# Run as the oracle's solve.sh on the worker node: the proxy through the forwarder (the relay behind it), then the
+# proxy's TCP port directly and an outside address, each of which network "none" must refuse.
+PROBE = r"""
+probe() { python3 - "$@" <<'PY'
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()
+    print("reached")
+except OSError as e:
+    print(type(e).__name__)
+PY
+}
+health=$(python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:8080/health", timeout=10).status)')
+cat > /app/report.json <<EOF
+{"health": "$health", "proxy_direct": "$(probe {host} {port})", "proxy_loopback": "$(probe 127.0.0.1 {port})",
+ "outside": "$(probe 1.1.1.1 53)"}
+EOF
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(images):
+    require(_has_ray(), "Ray is not installed (pip install 'bridle[ray]')")
+    from tests.helpers.raycluster import start_cluster
+
+    c = start_cluster(slots=2)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _has_ray() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
+
+
+def probe_task(tmp: Path, host: str, port: int) -> Task:
+    spec = generate("create_file", 0)
+    solve = "#!/usr/bin/env bash\n" + PROBE.replace("{host}", host).replace("{port}", str(port))
+    return materialize(msgspec.structs.replace(spec, solution={"solve.sh": solve}), tmp / "probe")
+
+
+async def test_a_sandbox_on_the_worker_reaches_the_proxy_only_through_its_relay(cluster, tmp_path):
+    nodes = cluster.node_ids()
+    node_work, back = tmp_path / "node-work", tmp_path / "back"
+    # Pinned to the worker node by its own resource; the proxy on every interface, as across machines.
+    settings = RaySettings(address=cluster.address, resources={"node_worker": 1}, workspaces=str(back))
+    backend = RayBackend(settings, DockerSettings(**OFFLINE, workdir=str(node_work), keep_workspaces=True),
+                         run_id="raytest1")
+    await backend.start()
+    try:
+        async with running_proxy(host="0.0.0.0", unix_socket=str(tmp_path / "proxy.sock")) as (proxy, _, _):
+            port = int(proxy.base_url.rsplit(":", 1)[1])
+            import ray
+
+            host = ray.util.get_node_ip_address()
+            task = probe_task(tmp_path, host, port)
+            req = RolloutRequest(rollout_id="r1", group_id="g", index=0, group_size=1, task_id=task.id,
+                                 harness="oracle", token="tok", policy_version=0, timeout_s=120.0)
+            fin = await backend.run(req, task, proxy_url=proxy.base_url, proxy_socket=proxy.unix_socket)
+            stats = await backend.relay_stats()
+    finally:
+        await backend.aclose()
+    assert fin.status == "ok", fin.details
+    # Both nodes got a relay; only the worker's carried anything: the sandbox's one connection, through it.
+    assert set(stats) == set(nodes.values())
+    assert stats[nodes["worker"]]["connections"] >= 1 and stats[nodes["worker"]]["bytes_down"] > 0
+    assert stats[nodes["head"]]["connections"] == 0
+    # The workspace came back through Ray into `back`; the node's own folder is gone.
+    (kept,) = back.iterdir()
+    report = json.loads((kept / "app" / "report.json").read_text())
+    assert report["health"] == "200"
+    assert report["proxy_direct"] != "reached" and report["proxy_loopback"] != "reached", report
+    assert report["outside"] != "reached", report
+    assert list(node_work.iterdir()) == []
+    assert containers_of("raytest1") == []
+
+
+def test_the_config_refuses_what_the_ray_backend_cannot_do(tmp_path):
+    from actors.sandbox import SandboxConfig
+    from pipeline.core.config import ConfigError
+
+    class Exp:
+        source = "x.toml"
+
+    host = SandboxConfig(backend="ray", docker=DockerSettings(network="host"))
+    with pytest.raises(ConfigError, match='network = "host"'):
+        host.check("sandbox", Exp())  # type: ignore[arg-type]
+    same = SandboxConfig(backend="ray", ray=RaySettings(resources={"bridle_docker": 1}))
+    with pytest.raises(ConfigError, match="list only other resources"):
+        same.check("sandbox", Exp())  # type: ignore[arg-type]
+    bad = SandboxConfig(backend="ray", ray=RaySettings(proxy_address="nohost"))
+    with pytest.raises(ConfigError, match=r"proxy_address: expected host:port"):
+        bad.check("sandbox", Exp())  # type: ignore[arg-type]
