@@ -118,3 +118,66 @@ def receive(group: ProcessGroup, names: Sequence[str], dtypes: Sequence[str], sh
     except (RuntimeError, dist.DistError) as e:
         raise WeightSyncError(f"receiving the weights failed: {type(e).__name__}: {e}") from None
     return out
+
+
+class WeightPusher:
+    """The learner's end of weight sync without the disk: rank 0 of the update group, and the engine workers' side
+    of it asked over HTTP (:class:`~pipeline.serving.sglang_client.HttpEngine`'s group calls).
+
+    :meth:`join` sets the group up; :meth:`push` sends one update and returns when every worker reports its
+    version. Either raises :class:`~pipeline.serving.engine.EngineError` (WeightSyncError included) on any failure;
+    the group is then of no further use (a broadcast that failed half-way leaves the ranks out of step), so the
+    caller :meth:`close`\\ s it and goes on with the disk path."""
+
+    def __init__(self, workers: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, backend: str = "gloo",
+                 timeout_s: float = 300.0, group_name: str = GROUP_NAME) -> None:
+        from pipeline.serving.sglang_client import HttpEngine
+
+        self.engine = HttpEngine(workers[0], control_urls=workers, control_timeout_s=timeout_s + 30)
+        self.host, self.port, self.backend = host, port, backend
+        self.timeout_s, self.group_name = timeout_s, group_name
+        self.group: ProcessGroup | None = None
+
+    async def join(self) -> None:
+        import anyio
+
+        from pipeline.serving.launch import free_port
+
+        port = self.port or free_port(self.host)
+        world = len(self.engine.control_urls) + 1
+
+        async def rank0() -> None:
+            self.group = await anyio.to_thread.run_sync(
+                lambda: open_group(self.backend, self.host, port, 0, world, group_name=self.group_name,
+                                   timeout_s=self.timeout_s))
+
+        await self.engine.init_weights_update_group(self.host, port, rank0, backend=self.backend,
+                                                    group_name=self.group_name)
+        if self.group is None:  # the workers joined and rank 0 did not: cannot happen in one rendezvous
+            raise WeightSyncError("the learner did not join its own weight update group")
+
+    async def push(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        import anyio
+
+        group = self.group
+        if group is None:
+            raise WeightSyncError("push before join: the weight update group is not set up")
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        local = {n: t.detach().to(device) for n, t in tensors.items()}
+        names, dtypes, shapes = manifest(local)
+        await self.engine.update_weights_from_distributed(
+            names, dtypes, shapes, version, lambda: anyio.to_thread.run_sync(broadcast, group, local),
+            group_name=self.group_name)
+
+    async def close(self) -> None:
+        """Leave the group on every side (whatever the workers answer) and close the HTTP client."""
+        import anyio
+
+        try:
+            if self.group is not None:
+                with anyio.move_on_after(30):
+                    await self.engine.destroy_weights_update_group(self.group_name, quiet=True)
+                group, self.group = self.group, None
+                await anyio.to_thread.run_sync(close_group, group)
+        finally:
+            await self.engine.aclose()
