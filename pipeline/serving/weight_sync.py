@@ -143,6 +143,10 @@ class WeightPusher:
 
         from pipeline.serving.launch import free_port
 
+        # Both ends of a rendezvous wait for each other (up to timeout_s), so workers that are not there must fail
+        # the join at once (a replayed run's EngineReady names engines long gone).
+        if not await self.engine.health():
+            raise WeightSyncError(f"the engine workers {self.engine.control_urls} do not all answer /health")
         port = self.port or free_port(self.host)
         world = len(self.engine.control_urls) + 1
 
