@@ -454,8 +454,10 @@ class HttpEngine:
     async def _post_ok(self, url: str, body: Any) -> Any:
         """POST a call SGLang answers with ``{"success", "message"}`` (400 when it did not succeed)."""
         reply = await self._post(url, body)
-        if isinstance(reply, dict) and reply.get("success") is False:
-            raise EngineBadRequest(f"{url}: {reply.get('message')}")
+        if isinstance(reply, dict):
+            ok, message = reply.get("success"), reply.get("message")
+            if ok is False:
+                raise EngineBadRequest(f"{url}: {message}")
         return reply
 
     async def _version(self, base: str) -> str:
