@@ -29,6 +29,7 @@ def test_quickstart_with_distributed_weight_sync(tmp_path):
         f'run.model="{model}"', "experiment.build_model.tasks=60", 'learner.weight_sync="distributed"',
         "scheduler.sft_groups=8", "tree.sft_pack=8", "learner.sft_epochs=1",
         "run.steps=2", "scheduler.group_size=3", "run.groups_per_step=1", "scheduler.tasks.count=20",
+        "run.max_staleness=0",  # step 2's group waits for step 1's weights
         'monitor.display="off"',
     ]
     args = ["--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
@@ -43,13 +44,13 @@ def test_quickstart_with_distributed_weight_sync(tmp_path):
     # only the cold start's folder was written; checkpoints go to disk as before
     assert [p.name for p in (run_dir / "weights").glob("v*")] == [Path(updates[0].weights_path).name]
     assert list((run_dir / "checkpoints").glob("step*"))
-    # the rollouts of step 2 were sampled by the version step 1 pushed
+    # the rollouts of step 2 (issued once step 1 was pushed: max_staleness 0) were sampled by the pushed version
     pushed = updates[1].version
     versions = {s.version for e in events if isinstance(e.msg, ModelCall) for s in e.msg.versions}
     assert pushed in versions
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     syncs = [m for m in metrics if m["kind"] == "weight_sync" and m["source"] == "learner"]
-    assert [m["values"]["policy_version"] for m in syncs] == [u.version for u in updates[1:]]
+    assert [m["policy_version"] for m in syncs] == [u.version for u in updates[1:]]
     log = (run_dir / "log.jsonl").read_text()
     assert "weight update group could not be set up" not in log and "update over the weight update group failed" \
         not in log
