@@ -147,7 +147,10 @@ class WeightPusher:
         # the join at once (a replayed run's EngineReady names engines long gone).
         if not await self.engine.health():
             raise WeightSyncError(f"the engine workers {self.engine.control_urls} do not all answer /health")
-        port = self.port or free_port(self.host)
+        try:
+            port = self.port or free_port(self.host)
+        except OSError as e:
+            raise WeightSyncError(f"no free port at {self.host} for the weight update group: {e}") from None
         world = len(self.engine.control_urls) + 1
 
         async def rank0() -> None:

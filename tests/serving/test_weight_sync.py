@@ -6,7 +6,9 @@ and the disk path still works after it (the fallback)."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
+import aiohttp
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
@@ -14,11 +16,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.models.small import VocabTable, create_small_model
+from actors.learner import LearnerActor, LearnerSettings
+from pipeline.core.runtime import ActorContext, Output
+from pipeline.messages import EngineReady
+from pipeline.models.small import VocabTable, create_small_model, load_vocab_table
 from pipeline.serving.engine import EngineBadRequest, EngineSampling
 from pipeline.serving.launch import launch_embedded
 from pipeline.serving.sglang_client import HttpEngine
 from pipeline.serving.weight_sync import WeightPusher, manifest
+from pipeline.training.learner import Learner
+from pipeline.training.learner_config import LearnerConfig
 
 pytestmark = pytest.mark.slow  # starts engine processes
 
@@ -133,3 +140,44 @@ def test_a_group_that_cannot_be_set_up_fails_join_and_leaves_no_group(engines):
 def test_manifest_lists_names_dtypes_and_shapes_in_order():
     t = {"b": torch.zeros(2, 3, dtype=torch.bfloat16), "a": torch.zeros(4)}
     assert manifest(t) == (["b", "a"], ["bfloat16", "float32"], [[2, 3], [4]])
+
+
+def test_the_learner_pushes_and_falls_back_to_the_disk(engines, models, tmp_path):
+    """The learner actor's side with a real Learner: a group that cannot be set up leaves it on the disk path; a
+    push reaches both engines (its tensors are the ones the engine accepts); a push an engine refuses is written to
+    disk and announced with its path instead, and the group is given up."""
+    a, b, _ = engines
+    learner = Learner(models[1], LearnerConfig(initial_version=20))
+    actor = LearnerActor("learner", LearnerSettings(weight_sync="distributed", sync_timeout_s=60),
+                         ActorContext(run_dir=tmp_path))
+    actor.learner, actor.model_dir, actor.vocab = learner, Path(models[1]), load_vocab_table(Path(models[1]))
+    actor.out = {name: Output(f"learner.{name}", None) for name in ("updates", "metrics")}
+    send, updates = anyio.create_memory_object_stream(10)
+    actor.out["updates"].connect(send)
+
+    async def main():
+        async with HttpEngine(a, control_urls=[a, b]) as fleet:
+            await actor._join(EngineReady(workers=["http://127.0.0.1:9"]))  # nothing listens there
+            assert actor.pusher is None
+            await actor._join(EngineReady(workers=[a, b]))
+            assert actor.pusher is not None
+            assert await actor._publish(1, {}, []) is None
+            first = updates.receive_nowait()
+            assert (first.version, first.pushed, first.weights_path) == (20, True, "")
+            assert await fleet.worker_versions() == {a: "20", b: "20"}
+            # a real refusal: b already has a weight-update session open, so it refuses the next one
+            async with aiohttp.ClientSession() as s, s.post(f"{b}/begin_weight_update", json={}) as r:
+                assert r.status == 200
+            learner.version = 21
+            path = await actor._publish(2, {}, [])
+            second = updates.receive_nowait()
+            assert (second.version, second.pushed, second.weights_path) == (21, False, str(path))
+            assert actor.pusher is None and (path / "model.safetensors").is_file()
+            assert await fleet.worker_versions() == {a: "20", b: "20"}  # neither moved: they still agree
+            await fleet.update_weights(second.weights_path, 21)  # what the proxy does with the announcement
+            assert await fleet.worker_versions() == {a: "21", b: "21"}
+
+    try:
+        run(main)
+    finally:
+        run(actor._stop_pushing)
