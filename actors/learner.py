@@ -201,21 +201,19 @@ class LearnerActor(Actor[LearnerSettings]):
         Returns the folder written, None when pushed."""
         assert self.run_dir is not None
         version = self.learner.version
+        announce = partial(
+            PolicyUpdated, version=version, step=step,
+            batch_hash="" if batch is None else packed_hash(batch), groups=[g.group_id for g in batch or []],
+            metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
         if self.pusher is not None and not save and await self._push(version, step):
-            await self.send("updates", PolicyUpdated(
-                version=version, step=step, pushed=True,
-                batch_hash="" if batch is None else packed_hash(batch), groups=[g.group_id for g in batch or []],
-                metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}))
+            await self.send("updates", announce(pushed=True))
             return None
         path = self.run_dir / "weights" / f"v{version:05d}"
         await anyio.to_thread.run_sync(self.learner.save_weights, path, version)
         if self.vocab is not None:
             shutil.copy2(self.model_dir / VOCAB_FILE, path / VOCAB_FILE)
         self._prune()
-        await self.send("updates", PolicyUpdated(
-            version=version, step=step, weights_path=str(path),
-            batch_hash="" if batch is None else packed_hash(batch), groups=[g.group_id for g in batch or []],
-            metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}))
+        await self.send("updates", announce(weights_path=str(path)))
         return path
 
     async def _join(self, msg: EngineReady) -> None:
