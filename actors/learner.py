@@ -60,7 +60,9 @@ class LearnerSettings(Section):
     sync_host: str = "127.0.0.1"  # the address the engine workers reach the learner's rank 0 at
     sync_port: Port = 0  # its rendezvous port (0: a free one)
     sync_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl when this process has a GPU, else gloo
-    sync_timeout_s: PosFloat = 300.0  # the group's rendezvous, and each broadcast, fail after this
+    # the group's rendezvous, and each broadcast, fail after this; an SGLang server applies an update only once its
+    # running requests are done (unless paused), so it must cover the longest generation, as [proxy].update_timeout_s
+    sync_timeout_s: PosFloat = 600.0
     train: LearnerConfig = msgspec.field(default_factory=LearnerConfig)  # the RL stage
     # The SFT stage has its own optimizer (and usually a larger learning rate); RL then starts from the SFT
     # weights with a fresh optimizer, so no SFT momentum leaks into the policy-gradient updates.
