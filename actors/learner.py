@@ -1,8 +1,9 @@
 """Learner actor: receives TreeGroups, runs the optimizer off the event loop, publishes weights.
 
-Inbox: TreeGroup and GroupDropped (demonstration packs for the cold start, training groups for RL steps).
-Outputs: ``updates`` (PolicyUpdated: to the proxy, which loads the weights into the engine, and to the scheduler),
-``metrics``. When to train and what is a step: :mod:`pipeline.training.loop`; the optimizer:
+Inbox: TreeGroup and GroupDropped (demonstration packs for the cold start, training groups for RL steps);
+EngineReady (the engine workers, for ``weight_sync = "distributed"``). Outputs: ``updates`` (PolicyUpdated: to the
+proxy, which loads the weights into the engine unless they were pushed over the weight update group, and to the
+scheduler), ``metrics``. When to train and what is a step: :mod:`pipeline.training.loop`; the optimizer:
 :mod:`pipeline.training.learner`. ``PolicyUpdated.step`` is the number of RL steps done (0 for the push after the
 cold start).
 """
@@ -12,16 +13,27 @@ from __future__ import annotations
 import shutil
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import msgspec
 import numpy as np
 
-from pipeline.core.config import NonNegInt, PosInt, RunSection, Section
+from pipeline.core.config import NonNegInt, Port, PosFloat, PosInt, RunSection, Section
 from pipeline.core.runtime import Actor
-from pipeline.messages import GroupDropped, Metric, PolicyUpdated, TreeGroup, ids, pack_i32, packed_hash
+from pipeline.messages import (
+    EngineReady,
+    GroupDropped,
+    Metric,
+    PolicyUpdated,
+    TreeGroup,
+    ids,
+    pack_i32,
+    packed_hash,
+)
 from pipeline.models.small import VOCAB_FILE, load_vocab_table
+from pipeline.serving.engine import EngineError
+from pipeline.serving.weight_sync import WeightPusher
 from pipeline.training.learner import Learner
 from pipeline.training.learner_config import LearnerConfig
 from pipeline.training.loop import ColdStartReady, LearnerLoop, StepReady, sft_plan
@@ -39,6 +51,18 @@ class LearnerSettings(Section):
     # CPU threads for the learner's torch ops (0: torch's default, one per core). On a CPU that also runs the
     # engine and the harnesses, idle OpenMP workers spin and take cores from the rollouts: the quickstart uses 1.
     threads: NonNegInt = 0
+    # How new weights reach the engine (docs/serving.md, "Weight sync"). "disk": written to runs/<run>/weights, the
+    # proxy has the engine load the folder. "distributed": broadcast to the engine workers over a torch.distributed
+    # group (nccl on GPUs, gloo on CPUs), nothing written; needs the edge "<proxy>.engines -> <learner>". Whatever
+    # fails there (the group's set-up, an update) falls back to "disk" for the rest of the run; checkpoints and the
+    # cold start's weights are written in any case.
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    sync_host: str = "127.0.0.1"  # the address the engine workers reach the learner's rank 0 at
+    sync_port: Port = 0  # its rendezvous port (0: a free one)
+    sync_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl when this process has a GPU, else gloo
+    # the group's rendezvous, and each broadcast, fail after this; an SGLang server applies an update only once its
+    # running requests are done (unless paused), so it must cover the longest generation, as [proxy].update_timeout_s
+    sync_timeout_s: PosFloat = 600.0
     train: LearnerConfig = msgspec.field(default_factory=LearnerConfig)  # the RL stage
     # The SFT stage has its own optimizer (and usually a larger learning rate); RL then starts from the SFT
     # weights with a fresh optimizer, so no SFT momentum leaks into the policy-gradient updates.
@@ -50,6 +74,10 @@ class LearnerSettings(Section):
 
         if not exp.run.model:
             raise ConfigError(f"{exp.source}: [run].model: the learner ([{name}]) needs the policy's HF folder")
+        if self.weight_sync == "distributed" and not any(
+                out == "engines" and dst == name for _, out, dst in exp.graph.parsed_edges()):
+            raise ConfigError(f'{exp.source}: [{name}].weight_sync = "distributed" needs the engine workers: add '
+                              f'"<proxy>.engines -> {name}" to [graph].edges (docs/serving.md, "Weight sync")')
 
     def rl_stage(self, run: RunSection) -> LearnerConfig:
         """``[learner.train]`` with what it leaves to ``[run]``: the decay of a linear/cosine schedule spans every
@@ -65,8 +93,16 @@ class LearnerActor(Actor[LearnerSettings]):
     outputs = ("updates", "metrics")
     learner: Learner | None = None
     loop: LearnerLoop | None = None
+    pusher: WeightPusher | None = None  # set while weight sync without the disk works
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stop_pushing()
+
+    async def _run(self) -> None:
         c, run = self.config, self.ctx.run
         assert self.run_dir is not None
         self.model_dir = Path(run.model)
@@ -93,6 +129,8 @@ class LearnerActor(Actor[LearnerSettings]):
         if loop.finished:
             return
         async for msg in self.messages():
+            if isinstance(msg, EngineReady):
+                await self._join(msg)
             if not isinstance(msg, (TreeGroup, GroupDropped)):
                 continue
             if self.learner is None:
@@ -131,7 +169,8 @@ class LearnerActor(Actor[LearnerSettings]):
             m = await anyio.to_thread.run_sync(self.learner.sft_step, update.packs, abandon_on_cancel=True)
             # sft_updates: the plan's length, for the monitor's progress
             await self._metric(0, {**m, "sft_epoch": update.epoch, "sft_updates": len(plan)}, phase="sft")
-        path = await self._publish(0, {"sft_demos": demos}, groups)
+        path = await self._publish(0, {"sft_demos": demos}, groups, save=True)  # RL starts from this folder
+        assert path is not None
         cfg = msgspec.structs.replace(c.rl_stage(self.ctx.run), initial_version=self.learner.version)
         self.learner = await anyio.to_thread.run_sync(Learner, str(path), cfg)
 
@@ -157,20 +196,84 @@ class LearnerActor(Actor[LearnerSettings]):
         await self._metric(ready.step, m, phase="rl")
         await self._publish(ready.step, m, ready.batch)
 
-    async def _publish(self, step: int, metrics: dict[str, Any], batch: list[TreeGroup] | None) -> Path:
-        """Save the weights and announce them; ``batch``: what this update trained on (None: no update, a resume)."""
+    async def _publish(self, step: int, metrics: dict[str, Any], batch: list[TreeGroup] | None, *,
+                       save: bool = False) -> Path | None:
+        """Push the weights to the engine workers (weight sync without the disk), or save them, and announce them;
+        ``batch``: what this update trained on (None: no update, a resume); ``save``: write them in any case.
+        Returns the folder written, None when pushed."""
         assert self.run_dir is not None
         version = self.learner.version
+        announce = partial(
+            PolicyUpdated, version=version, step=step,
+            batch_hash="" if batch is None else packed_hash(batch), groups=[g.group_id for g in batch or []],
+            metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+        if self.pusher is not None and not save and await self._push(version, step):
+            await self.send("updates", announce(pushed=True))
+            return None
         path = self.run_dir / "weights" / f"v{version:05d}"
         await anyio.to_thread.run_sync(self.learner.save_weights, path, version)
         if self.vocab is not None:
             shutil.copy2(self.model_dir / VOCAB_FILE, path / VOCAB_FILE)
         self._prune()
-        await self.send("updates", PolicyUpdated(
-            version=version, step=step, weights_path=str(path),
-            batch_hash="" if batch is None else packed_hash(batch), groups=[g.group_id for g in batch or []],
-            metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}))
+        await self.send("updates", announce(weights_path=str(path)))
         return path
+
+    async def _join(self, msg: EngineReady) -> None:
+        """Set up the weight update group with the workers ``msg`` names; on failure, stay on the disk path."""
+        c = self.config
+        if c.weight_sync != "distributed" or self.pusher is not None:
+            return
+        if not msg.workers:
+            self.log.warning("weight sync: the engine takes weights only from disk; using the disk path")
+            return
+        backend = c.sync_backend
+        if backend == "auto":
+            import torch
+
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        pusher = WeightPusher(msg.workers, host=c.sync_host, port=c.sync_port, backend=backend,
+                              timeout_s=c.sync_timeout_s)
+        try:
+            with anyio.fail_after(c.sync_timeout_s + 60):
+                await pusher.join()
+        except (EngineError, TimeoutError) as e:
+            self.log.error("weight sync: the weight update group could not be set up; using the disk path",
+                           workers=msg.workers, backend=backend, error=str(e) or type(e).__name__)
+            with anyio.CancelScope(shield=True):
+                await pusher.close()
+            return
+        self.pusher = pusher
+        self.log.info("weight sync: updates go to the engine workers over the weight update group",
+                      workers=msg.workers, backend=backend)
+
+    async def _push(self, version: int, step: int) -> bool:
+        """Broadcast the weights to every worker; False (logged, and the group given up) when that failed."""
+        assert self.pusher is not None
+        t0 = anyio.current_time()
+        try:
+            tensors = await anyio.to_thread.run_sync(self.learner.policy_state)
+            # Shielded, as the proxy's disk update is: a stop mid-push must not leave the workers on different
+            # versions. Bounded: the broadcast's own timeout, plus the HTTP calls around it.
+            with anyio.CancelScope(shield=True), anyio.fail_after(self.config.sync_timeout_s + 60):
+                await self.pusher.push(tensors, version)
+        except (EngineError, TimeoutError) as e:
+            self.log.error("weight sync: the update over the weight update group failed; it goes through the disk "
+                           "now, and so do the later ones", version=version, error=str(e) or type(e).__name__)
+            with anyio.CancelScope(shield=True):
+                await self._stop_pushing()
+            return False
+        dt = anyio.current_time() - t0
+        self.log.info("engine weights pushed", version=version, seconds=round(dt, 3))
+        if self.out["metrics"].connected:
+            await self.send("metrics", Metric(source=self.name, kind="weight_sync", step=step,
+                                              values={"weight_update_s": dt, "policy_version": version}))
+        return True
+
+    async def _stop_pushing(self) -> None:
+        pusher, self.pusher = self.pusher, None
+        if pusher is not None:
+            with anyio.move_on_after(60):
+                await pusher.close()
 
     def _prune(self) -> None:
         assert self.run_dir is not None

@@ -1,8 +1,9 @@
 """Proxy actor: owns the policy engine and the HTTP proxy every harness talks to.
 
 Inbox: RolloutRequest (register the token, then forward to the sandbox pool), SettledRollout (forget the token),
-PolicyUpdated (load the new weights into the engine). Outputs: ``rollouts`` (ServiceReady once, then every
-RolloutRequest), ``calls`` (CallStarted / ModelCall / CallFailed), ``metrics``.
+PolicyUpdated (load the new weights into the engine, unless the learner pushed them over the weight update group).
+Outputs: ``rollouts`` (ServiceReady once, then every RolloutRequest), ``calls`` (CallStarted / ModelCall /
+CallFailed), ``metrics``, ``engines`` (EngineReady once: the workers, for weight sync without the disk).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import msgspec
 from pipeline.core.config import ConfigError, NonNegFloat, NonNegInt, Port, PosFloat, PosInt, Section
 from pipeline.core.runfiles import remove_prefixed, run_tag, safe_name
 from pipeline.core.runtime import Actor, on_emergency
-from pipeline.messages import Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
+from pipeline.messages import EngineReady, Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
 from pipeline.serving.factory import EngineSettings, fleet_problem, open_engine, open_renderer
 from pipeline.serving.proxy import Proxy, ProxySettings
 from pipeline.serving.watchdog import watch_engine
@@ -59,7 +60,7 @@ class ProxyActorSettings(Section):
 
 class ProxyActor(Actor[ProxyActorSettings]):
     Config = ProxyActorSettings
-    outputs = ("rollouts", "calls", "metrics")
+    outputs = ("rollouts", "calls", "metrics", "engines")
 
     proxy: Proxy | None = None
     _socket_dir: str = ""
@@ -120,6 +121,10 @@ class ProxyActor(Actor[ProxyActorSettings]):
         assert self.proxy is not None
         await self.send("rollouts", ServiceReady(service="proxy", base_url=self.proxy.base_url,
                                                  unix_socket=self.proxy.unix_socket))
+        if self.out["engines"].connected:
+            # the scripted engine has no workers: it takes weights only from disk
+            await self.send("engines", EngineReady(workers=list(getattr(engine, "control_urls", [])),
+                                                   weight_version=self.config.engine.weight_version))
         if self.inbox is None:
             await anyio.sleep_forever()
         async for msg in self.messages():
@@ -152,7 +157,7 @@ class ProxyActor(Actor[ProxyActorSettings]):
 
     async def _update(self, engine: Any, msg: PolicyUpdated) -> None:
         assert self.proxy is not None
-        if not msg.weights_path:
+        if not msg.weights_path:  # pushed by the learner (already loaded), or no new weights
             self.proxy.policy_version = msg.version
             return
         # Shielded: a stop that lands mid-push (the run ending right after its last step) must not leave one engine

@@ -7,6 +7,7 @@ Read top to bottom, this file follows one rollout through the graph (docs/archit
     Collector <--RolloutFinished-- SandboxPool
     Collector --SettledRollout--> TreeBuilder (and Proxy, which forgets the token) --TreeGroup--> Learner
     Learner --PolicyUpdated--> Proxy (loads the weights into the engine), Scheduler
+    Proxy --EngineReady--> Learner (weight sync without the disk: the learner pushes each update to the workers)
     anyone --Metric--> Monitor;  ConfigWatcher --ConfigChanged--> (every actor, through the supervisor)
 
 Token ids and log-probabilities travel as raw little-endian arrays in ``bytes`` fields (``I32``/``F32``), not as
@@ -117,6 +118,15 @@ class ServiceReady(_Msg, kw_only=True):
     service: str
     base_url: str  # http://127.0.0.1:PORT (no /v1)
     unix_socket: str = ""  # the same server on a Unix socket, for sandboxes without a network
+
+
+class EngineReady(_Msg, kw_only=True):
+    """Proxy -> Learner: the engine workers serving the policy, once they are up. With ``[learner].weight_sync =
+    "distributed"`` the learner makes them join a process group and broadcasts each update to them
+    (docs/serving.md, "Weight sync"); empty ``workers``: an engine that takes weights only from disk (scripted)."""
+
+    workers: list[str]  # each worker's base URL (behind a router: the workers, not the router)
+    weight_version: int = 0
 
 
 class CallStarted(_Msg, kw_only=True):
@@ -320,11 +330,16 @@ class GroupDropped(_Msg, kw_only=True):
 
 # ---------------------------------------------------------------------------------------------- learner
 class PolicyUpdated(_Msg, kw_only=True):
-    """Learner -> Proxy (which loads ``weights_path`` into the engine), Scheduler (staleness accounting)."""
+    """Learner -> Proxy (which loads ``weights_path`` into the engine), Scheduler (staleness accounting).
+
+    ``pushed``: the learner already loaded this version into every engine worker over the weight update group
+    (``weights_path`` is then empty: nothing was written). Neither a path nor ``pushed``: the policy is unchanged
+    (a step that trained nothing)."""
 
     version: int
     step: int
     weights_path: str = ""
+    pushed: bool = False
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     batch_hash: str = ""  # sha256 of the packed batch this update trained on (replay reproduces it)
     groups: list[str] = msgspec.field(default_factory=list)  # ids of the TreeGroups it trained on, in order
@@ -349,7 +364,7 @@ MetricKind = Literal[
     "scheduler",  # scheduler, after issuing: groups_in_flight, policy_version, learner_steps, *_total (the plan)
     "tree",  # tree builder, one group built: tree_* statistics, group_dropped
     "settle",  # collector, one rollout settled: settled, settle_timeouts, late_records, duplicate_records
-    "weight_sync",  # proxy, the engine loaded new weights: weight_update_s, policy_version
+    "weight_sync",  # proxy (disk) or learner (pushed): the engine holds new weights: weight_update_s, policy_version
     "eval",  # evaluator, one evaluation round; step = the RL step evaluated (-1 standalone): pass@k, behaviour
     "other",  # anything else (toy graphs); the default, so that logs written before kinds existed decode
 ]
@@ -383,6 +398,7 @@ class Note(_Msg, kw_only=True):
 Message = Union[  # noqa: UP007 — one type per line reads as the list of every message
     RolloutRequest,
     ServiceReady,
+    EngineReady,
     CallStarted,
     ModelCall,
     CallFailed,

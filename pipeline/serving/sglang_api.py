@@ -54,11 +54,23 @@ CONTROL: dict[tuple[str, str], frozenset[str] | None] = {
     ("POST", "/pause_generation"): frozenset({"mode"}),
     ("POST", "/continue_generation"): frozenset(),
     ("POST", "/abort_request"): frozenset({"rid", "abort_all"}),
+    # weight sync without the disk (pipeline.serving.weight_sync): the group, the session SGLang 0.5.23 requires
+    # around an update, the update itself
+    ("POST", "/init_weights_update_group"): frozenset(
+        {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}),
+    ("POST", "/destroy_weights_update_group"): frozenset({"group_name"}),
+    ("POST", "/begin_weight_update"): frozenset(),
+    ("POST", "/end_weight_update"): frozenset(),
+    ("POST", "/update_weights_from_distributed"): frozenset(
+        {"names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"}),
     ("GET", "/health"): None,
     ("GET", "/model_info"): None,
     ("GET", "/server_info"): None,
 }
 UPDATE_WEIGHTS_REPLY = frozenset({"success", "message"})
+# the weight-sync calls answer the same two keys (400 when success is false)
+SYNC_CALLS = ("/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
+              "/end_weight_update", "/update_weights_from_distributed")
 # GET /model_info: what the client reads of it (each worker's version, to check a weight update reached it)
 MODEL_INFO = frozenset({"weight_version"})
 PAUSE_MODES = frozenset({"abort", "retract", "in_place"})

@@ -370,6 +370,96 @@ class HttpEngine:
             )
         log.info("engine weights updated", path=str(path), version=str(version), workers=len(self.control_urls))
 
+    # ------------------------------------------------------------------ weight sync without the disk
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, join: Callable[[], Awaitable[None]], *,
+        backend: str, group_name: str,
+    ) -> None:
+        """Make every worker join a process group whose rank 0 is the caller: worker ``i`` as rank ``1 + i``.
+        ``join`` joins rank 0 and runs while the workers' calls wait (neither side returns before all have
+        joined). Raises the first failure; the workers that did join are then asked to leave again."""
+        world = len(self.control_urls) + 1
+
+        def body(i: int) -> dict[str, Any]:
+            return {"master_address": master_address, "master_port": master_port, "rank_offset": i + 1,
+                    "world_size": world, "group_name": group_name, "backend": backend}
+
+        urls = list(enumerate(self.control_urls))
+        results = await self._with_sender(
+            join, [lambda i=i, u=u: self._post_ok(f"{u}/init_weights_update_group", body(i)) for i, u in urls])
+        if failed := [r for r in results if isinstance(r, BaseException)]:
+            await self.destroy_weights_update_group(group_name, quiet=True)
+            raise failed[0] if isinstance(failed[0], EngineError) else EngineUnavailable(str(failed[0]))
+
+    async def destroy_weights_update_group(self, group_name: str, *, quiet: bool = False) -> None:
+        """Every worker leaves the group (``quiet``: whatever they answer; a worker that never joined says so)."""
+        out = await self._each(self.control_urls, lambda base: self._post_ok(
+            f"{base}/destroy_weights_update_group", {"group_name": group_name}))
+        for r in out:
+            if isinstance(r, EngineError) and not quiet:
+                raise r
+
+    async def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], version: int | str,
+        send: Callable[[], Awaitable[None]], *, group_name: str, flush_cache: bool = True,
+    ) -> None:
+        """Load the weights ``send`` broadcasts (the tensors ``names`` / ``dtypes`` / ``shapes`` describe, in that
+        order) as ``version`` on every worker; return when all report it. SGLang 0.5.23 takes such an update only
+        inside a weight-update session: ``/begin_weight_update`` ... ``/end_weight_update``. Raises on any failure
+        (the session is closed on every worker first); :class:`EngineVersionMismatch` when the workers answered but
+        do not all hold ``version``."""
+        body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                "group_name": group_name, "flush_cache": flush_cache, "weight_version": str(version)}
+        try:
+            results: list[Any] = await self._each(
+                self.control_urls, lambda base: self._post_ok(f"{base}/begin_weight_update", {}))
+            if not any(isinstance(r, BaseException) for r in results):
+                results = await self._with_sender(send, [
+                    lambda u=u: self._post_ok(f"{u}/update_weights_from_distributed", body)
+                    for u in self.control_urls])
+        finally:
+            # shielded: a session left open on a worker refuses the next begin
+            with anyio.CancelScope(shield=True):
+                ended = await self._each(
+                    self.control_urls, lambda base: self._post_ok(f"{base}/end_weight_update", {}))
+        if failed := [r for r in results + ended if isinstance(r, BaseException)]:
+            raise failed[0] if isinstance(failed[0], EngineError) else EngineUnavailable(
+                f"weight update to version {version} over the process group failed: {failed[0]}")
+        versions = await self.worker_versions()
+        if any(v != str(version) for v in versions.values()):
+            raise EngineVersionMismatch(f"weight update to version {version} over the process group: the workers "
+                                        f"answered success but hold {_describe(versions)}")
+        log.info("engine weights updated over the process group", version=str(version),
+                 workers=len(self.control_urls), tensors=len(names))
+
+    async def _with_sender(
+        self, send: Callable[[], Awaitable[None]], calls: Sequence[Callable[[], Awaitable[Any]]]
+    ) -> list[Any]:
+        """``send()`` and every call at once, each to its end (a collective needs every side; a failure of one
+        does not cancel the others, which end by their own timeouts). Each one's result or exception, ``send``'s
+        last."""
+        out: list[Any] = [None] * (len(calls) + 1)
+
+        async def one(i: int, fn: Callable[[], Awaitable[Any]]) -> None:
+            try:
+                out[i] = await fn()
+            except Exception as e:  # noqa: BLE001 — reported to the caller, which raises the first one
+                out[i] = e
+
+        async with anyio.create_task_group() as tg:
+            for i, fn in enumerate([*calls, send]):
+                tg.start_soon(one, i, fn)
+        return out
+
+    async def _post_ok(self, url: str, body: Any) -> Any:
+        """POST a call SGLang answers with ``{"success", "message"}`` (400 when it did not succeed)."""
+        reply = await self._post(url, body)
+        if isinstance(reply, dict):
+            ok, message = reply.get("success"), reply.get("message")
+            if ok is False:
+                raise EngineBadRequest(f"{url}: {message}")
+        return reply
+
     async def _version(self, base: str) -> str:
         url = f"{base}/model_info"
         status, raw = await self._request("GET", url)

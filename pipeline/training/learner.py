@@ -200,6 +200,18 @@ class Learner:
         acc.wait_for_everyone()
         return out
 
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's weights by their Hugging Face names, a tensor shared by several names (tied embeddings) once
+        under its first, as :meth:`save_weights` writes them: what weight sync without the disk broadcasts."""
+        state = self.accelerator.get_state_dict(self.net)
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, t in state.items():
+            if name.startswith("policy.") and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                out[name[len("policy.") :]] = t
+        return out
+
     def save_checkpoint(self, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
         """Model (with value head), optimizer, scheduler, RNG states, step, version, the KL reference policy and
         ``extra`` — an opaque JSON-able dict for the caller (the event-log offset to resume reading from).

@@ -1,5 +1,7 @@
 """Experiment files: decoding, errors that name file/field/type, overrides, diffs for hot reload."""
 
+import tomllib
+
 import pytest
 
 from actors import REGISTRY
@@ -154,6 +156,16 @@ def test_cross_section_checks_name_both_fields():
         quickstart(['scheduler.tasks.tasks="builtin:nope"'])
     with pytest.raises(cfg.ConfigError, match=r"\[run\].model: the embedded engine .*serves the policy"):
         quickstart(['run.model=""'])
+
+
+def test_distributed_weight_sync_needs_the_engines_edge():
+    quickstart(['learner.weight_sync="distributed"'])  # the shipped configs have the edge
+    raw = tomllib.loads(cfg.resolve_experiment_path("quickstart").read_text())
+    raw["graph"]["edges"].remove("proxy.engines -> learner")
+    cfg.load_experiment(raw, resolve)  # disk: no edge needed
+    with pytest.raises(cfg.ConfigError, match=r'\[learner\].weight_sync = "distributed" needs .*"<proxy>.engines -> '
+                                              r'learner" to \[graph\].edges'):
+        cfg.load_experiment(raw, resolve, ['learner.weight_sync="distributed"'])
 
 
 def test_moved_fields_are_refused_with_their_new_place():

@@ -13,6 +13,7 @@ SAMPLES = [
         purpose="eval",
     ),
     m.ServiceReady(service="proxy", base_url="http://127.0.0.1:1", unix_socket="/tmp/s"),
+    m.EngineReady(workers=["http://127.0.0.1:2", "http://127.0.0.1:3"], weight_version=2),
     m.CallStarted(rollout_id="r1", call_id="c1", seq=0, t=1.5),
     m.ModelCall(
         rollout_id="r1", call_id="c1", seq=0, protocol="anthropic", label="compaction",
@@ -39,6 +40,7 @@ SAMPLES = [
     ),
     m.GroupDropped(group_id="g1", reason="fewer than 2 valid rollouts", valid_rollouts=1),
     m.PolicyUpdated(version=4, step=3, weights_path="/w", metrics={"loss": 0.5}),
+    m.PolicyUpdated(version=5, step=4, pushed=True),
     m.ConfigChanged(section="scale", changes={"factor": 3.0, "names": ["a"]}, accepted=False, reason="fixed"),
     m.Metric(source="learner", step=2, values={"reward": 0.25}, t=9.0),
     m.ActorStopped(actor="sink", reason="crashed", error="RuntimeError: x"),

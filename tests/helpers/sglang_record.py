@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 from aiohttp import web
@@ -102,6 +103,10 @@ class Recorder:
             if ok:
                 self.version = body["weight_version"]
             return web.json_response({"success": ok, "message": "ok" if ok else "refused", "num_paused_requests": 0})
+        if request.path in api.SYNC_CALLS:
+            if request.path == "/update_weights_from_distributed":
+                self.version = body["weight_version"]
+            return web.json_response({"success": True, "message": "ok"})
         if request.path in ("/model_info", "/server_info"):
             return web.json_response({"model_path": "/m", "weight_version": self.version})
         return web.json_response({"message": "ok", "status": "ok"}) if request.method == "POST" else web.Response()
@@ -149,8 +154,15 @@ def record_client(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[str, str,
                 await c.model_info()
                 await c.server_info()
                 assert await c.worker_versions() == {c.base_url: "5"} and await c.check_versions() == "5"
+                # weight sync without the disk: no process group behind the recorder, so nothing to broadcast
+                await c.init_weights_update_group("127.0.0.1", 29500, anyio.lowlevel.checkpoint, backend="gloo",
+                                                  group_name="weight_update_group")
+                await c.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], 6, anyio.lowlevel.checkpoint,
+                                                        group_name="weight_update_group")
+                await c.destroy_weights_update_group("weight_update_group")
                 made.update({"generate", "update_weights", "pause", "resume", "abort", "health", "model_info",
-                             "server_info", "worker_versions", "check_versions"})
+                             "server_info", "worker_versions", "check_versions", "init_weights_update_group",
+                             "update_weights_from_distributed", "destroy_weights_update_group"})
         finally:
             await runner.cleanup()
 

@@ -143,5 +143,7 @@ def test_the_client_sends_and_reads_only_the_declared_keys(monkeypatch):
     assert by_path.pop("meta_info.finish_reason") == set(api.FINISH_REASON)
     assert by_path.pop("meta_info.weight_versions[]") == set(api.WEIGHT_VERSION_SPAN)
     assert by_path.pop("/update_weights_from_disk") == set(api.UPDATE_WEIGHTS_REPLY)
+    for path in api.SYNC_CALLS:
+        assert by_path.pop(path) == set(api.UPDATE_WEIGHTS_REPLY), path
     assert by_path.pop("/model_info") == set(api.MODEL_INFO)
     assert by_path == {}, f"the client reads undeclared response keys: {by_path}"

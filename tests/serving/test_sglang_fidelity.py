@@ -115,6 +115,8 @@ def test_control_bodies_fit_sglangs_request_classes(sglang, client_calls):
     mode = field_annotations(io, "PauseGenerationReqInput")["mode"]
     assert {m for m in api.PAUSE_MODES if accepts(mode, m)} == api.PAUSE_MODES
     assert dict_keys(handlers[("POST", "/update_weights_from_disk")]) >= api.UPDATE_WEIGHTS_REPLY
+    for path in api.SYNC_CALLS:
+        assert dict_keys(handlers[("POST", path)]) >= api.UPDATE_WEIGHTS_REPLY, path
     assert dict_keys(handlers[("GET", "/model_info")]) >= api.MODEL_INFO
 
 

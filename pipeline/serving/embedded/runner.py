@@ -108,25 +108,29 @@ class ModelRunner:
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
             tensors.update(load_file(str(f)))
+        self.check_weights(tensors, str(path))
+        return tensors
+
+    def check_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """Refuse tensors (a checkpoint's, or a broadcast's) that are not exactly the running model's weights."""
         own = self.model.state_dict()
         tied = {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
         missing = sorted(set(own) - set(tensors) - tied)
         unexpected = sorted(set(tensors) - set(own))
         if missing or unexpected:
             raise BadRequest(
-                f"{path}: checkpoint does not match the running model: missing {missing[:5]}, "
+                f"{source}: the weights do not match the running model: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}"
             )
         for name, t in tensors.items():
             if t.shape != own[name].shape:
                 raise BadRequest(
-                    f"{path}: tensor {name} has shape {tuple(t.shape)}, the model has {tuple(own[name].shape)}"
+                    f"{source}: tensor {name} has shape {tuple(t.shape)}, the model has {tuple(own[name].shape)}"
                 )
-        return tensors
 
     @torch.inference_mode()
     def apply_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy checked tensors (from :meth:`read_weights`) into the model in place; on the decode thread."""
+        """Copy checked tensors (:meth:`check_weights`) into the model in place; on the decode thread."""
         own = self.model.state_dict()
         for name, t in tensors.items():
             own[name].copy_(t.to(own[name].dtype))

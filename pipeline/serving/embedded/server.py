@@ -2,7 +2,9 @@
 
 Endpoints, in the shapes of SGLang's native API: ``POST /generate`` (``input_ids`` only, non-streaming or
 cumulative ``data:`` streaming), ``/abort_request``, ``/update_weights_from_disk``, ``/pause_generation``,
-``/continue_generation``; ``GET /health``, ``/health_generate``, ``/model_info``, ``/server_info`` (batch
+``/continue_generation``; weight sync without the disk over a gloo process group (:mod:`pipeline.serving.weight_sync`):
+``/init_weights_update_group``, ``/update_weights_from_distributed`` (inside ``/begin_weight_update`` ...
+``/end_weight_update``, as SGLang 0.5.23 requires), ``/destroy_weights_update_group``; ``GET /health``, ``/health_generate``, ``/model_info``, ``/server_info`` (batch
 occupancy statistics). A bad request gets a 400 whose message names the field and what to send instead.
 
 Behind ``sglang-router`` (:mod:`pipeline.serving.router`) the engine also answers what the router asks of a
@@ -41,6 +43,7 @@ from pipeline.serving.embedded.batcher import (
     UpdateWeights,
 )
 from pipeline.serving.embedded.runner import BadRequest, ModelRunner
+from pipeline.serving.weight_sync import WeightSyncError, close_group, open_group, receive
 
 log = get_logger(actor="embedded_engine")
 
@@ -190,6 +193,9 @@ class EngineServer:
         self.live: set[str] = set()
         self.update_lock = asyncio.Lock()
         self.seeds = np.random.SeedSequence()  # unseeded requests each get a fresh child of this sequence
+        self.groups: dict[str, Any] = {}  # weight update groups joined, by name
+        self.session = False  # inside /begin_weight_update ... /end_weight_update
+        self.group_timeout_s = 600.0  # a rendezvous or a broadcast that does not complete in this fails
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024**2)
@@ -198,6 +204,11 @@ class EngineServer:
                 web.post("/generate", self.generate),
                 web.post("/abort_request", self.abort),
                 web.post("/update_weights_from_disk", self.update_weights),
+                web.post("/init_weights_update_group", self.init_group),
+                web.post("/destroy_weights_update_group", self.destroy_group),
+                web.post("/begin_weight_update", self.begin_update),
+                web.post("/end_weight_update", self.end_update),
+                web.post("/update_weights_from_distributed", self.update_weights_distributed),
                 web.post("/pause_generation", self.pause),
                 web.post("/continue_generation", self.resume),
                 web.get("/health", self.health),
@@ -302,26 +313,119 @@ class EngineServer:
                 raise BadRequest("weight_version must be a string")
             async with self.update_lock:
                 tensors = await asyncio.to_thread(self.runner.read_weights, Path(body["model_path"]))
-                loop = asyncio.get_running_loop()
-                done: asyncio.Future[str | None] = loop.create_future()
-                if body.get("abort_all_requests"):
-                    self.batcher.submit(Abort(None))
-                new_version = str(version) if version is not None else self.batcher.version
-                self.batcher.submit(
-                    UpdateWeights(
-                        tensors, new_version, lambda err: loop.call_soon_threadsafe(done.set_result, err)
-                    )
-                )
-                err = await done
+                err = await self._apply(tensors, version, bool(body.get("abort_all_requests")))
         except BadRequest as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         if err:
             return web.json_response({"success": False, "message": err}, status=500)
         self.model_path = body["model_path"]
-        log.info("weights updated", path=body["model_path"], version=new_version)
+        log.info("weights updated", path=body["model_path"], version=self.batcher.version)
         return web.json_response(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
+
+    async def _apply(self, tensors: dict[str, torch.Tensor], version: Any, abort_all: bool) -> str | None:
+        """Hand checked tensors to the decode thread (between two steps); None or the error."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[str | None] = loop.create_future()
+        if abort_all:
+            self.batcher.submit(Abort(None))
+        new_version = str(version) if version is not None else self.batcher.version
+        self.batcher.submit(
+            UpdateWeights(tensors, new_version, lambda err: loop.call_soon_threadsafe(done.set_result, err))
+        )
+        return await done
+
+    @staticmethod
+    def _result(ok: bool, message: str) -> web.Response:
+        """SGLang's answer to the weight-sync calls: 200 on success, 400 otherwise, with the same body."""
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+            if missing:
+                raise BadRequest(f"{', '.join(missing)} required")
+            if not all(_is_int(body[k]) for k in ("master_port", "rank_offset", "world_size")):
+                raise BadRequest("master_port, rank_offset and world_size must be integers")
+            backend = body.get("backend", "nccl")
+            if backend != "gloo":
+                raise BadRequest(f"backend {backend!r}: the embedded engine runs on the CPU; use \"gloo\"")
+            name = str(body.get("group_name") or "weight_update_group")
+            if name in self.groups:
+                raise BadRequest(f"group {name!r} exists; destroy it first")
+        except BadRequest as e:
+            return self._result(False, str(e))
+        try:
+            # one rank per engine (no tensor parallelism): its rank is its offset
+            self.groups[name] = await asyncio.to_thread(
+                open_group, backend, str(body["master_address"]), body["master_port"], body["rank_offset"],
+                body["world_size"], group_name=name, timeout_s=self.group_timeout_s)
+        except WeightSyncError as e:
+            log.error("weight update group not joined", error=str(e))
+            return self._result(False, f"Failed to initialize custom process group: {e}.")
+        log.info("weight update group joined", group=name, rank=body["rank_offset"], world_size=body["world_size"])
+        return self._result(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+        except BadRequest as e:
+            return self._result(False, str(e))
+        name = str((body.get("group_name") if isinstance(body, dict) else None) or "weight_update_group")
+        group = self.groups.pop(name, None)
+        if group is None:
+            return self._result(False, "The group to be destroyed does not exist.")
+        async with self.update_lock:  # not under a receive that is using it
+            await asyncio.to_thread(close_group, group)
+        log.info("weight update group left", group=name)
+        return self._result(True, "Succeeded to destroy custom process group.")
+
+    async def begin_update(self, request: web.Request) -> web.Response:
+        if self.session:
+            return self._result(False, "a weight-update session is already open; call end_weight_update() first")
+        self.session = True
+        return self._result(True, "Success")
+
+    async def end_update(self, request: web.Request) -> web.Response:
+        if not self.session:
+            return self._result(False, "no weight-update session is open; call begin_weight_update() first")
+        self.session = False
+        return self._result(True, "Success")
+
+    async def update_weights_distributed(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            if not isinstance(body, dict) or not all(isinstance(body.get(k), list)
+                                                     for k in ("names", "dtypes", "shapes")):
+                raise BadRequest("names, dtypes and shapes (lists) are required")
+            if not self.session:
+                raise BadRequest("update_weights_from_distributed must run between begin_weight_update() and "
+                                 "end_weight_update()")
+            name = str(body.get("group_name") or "weight_update_group")
+            if name not in self.groups:
+                raise BadRequest(f"Group {name} not in {list(self.groups)}. Please call `init_weights_update_group` "
+                                 "first.")
+            version = body.get("weight_version")
+            async with self.update_lock:
+                try:
+                    tensors = await asyncio.to_thread(
+                        receive, self.groups[name], body["names"], body["dtypes"], body["shapes"])
+                except (ValueError, WeightSyncError) as e:
+                    raise BadRequest(f"Failed to receive weights: {e}") from None
+                self.runner.check_weights(tensors, "the broadcast weights")
+                err = await self._apply(tensors, version, bool(body.get("abort_all_requests")))
+        except BadRequest as e:
+            return self._result(False, str(e))
+        if err:
+            return self._result(False, f"Failed to update parameter online: {err}")
+        self.model_path = f"(weight update group {name})"
+        log.info("weights updated over the process group", group=name, version=self.batcher.version,
+                 tensors=len(tensors))
+        return self._result(True, "Succeeded to update parameter online.")
 
     async def pause(self, request: web.Request) -> web.Response:
         try:
