@@ -74,3 +74,9 @@ def test_every_repository_path_the_docs_name_exists():
     bad = [f"{doc.relative_to(ROOT)}: `{p}`" for doc in docs() for p in CODE_PATH.findall(doc.read_text("utf-8"))
            if p not in NOT_FILES and p.rstrip("/") not in files and not any(f.startswith(p.rstrip("/") + "/") for f in files)]
     assert not bad, "paths the docs name that are not in the repository:\n" + "\n".join(bad)
+
+
+def test_readme_stays_a_users_page():
+    # The README says what bridle is, how to run and extend it; histories go to benchmarks/, internals to docs/.
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 350, f"README.md has {lines} lines (at most 350): move details into docs/"
