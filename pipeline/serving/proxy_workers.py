@@ -145,6 +145,7 @@ class _Worker:
     index: int
     settings: ProxySettings
     log_path: Path
+    pid: int = 0
     stream: SocketStream | None = None
     reader: BufferedByteReceiveStream | None = None
     endpoint: ProxyEndpoint | None = None
@@ -257,7 +258,7 @@ class ProxyWorkers:
         if not isinstance(hello, Hello) or not 0 <= hello.worker < len(self.workers):
             raise FrameError(f"expected Hello from a worker, got {hello!r}")
         w = self.workers[hello.worker]
-        w.stream, w.reader = stream, reader
+        w.stream, w.reader, w.pid = stream, reader, hello.pid
         await self._send(w, msgspec.structs.replace(self.setup, proxy=w.settings))
         ready = await read_frame(reader.receive_exactly, FROM_WORKER)
         if not isinstance(ready, Ready):
