@@ -157,3 +157,17 @@ async def test_a_worker_that_dies_fails_the_run_with_its_log(tmp_path):
         died = [e for e in group.exceptions if isinstance(e, WorkerDied)]
         group = next((e for e in group.exceptions if isinstance(e, BaseExceptionGroup)), None)
     assert died and "proxy worker 1" in str(died[0]) and "last words" in str(died[0]), caught.value.exceptions
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    (['proxy.engine.kind="scripted"', 'proxy.engine.script="x.json"'], "scripted engine lives in the proxy's process"),
+    (['sandbox.backend="ray"'], "the Ray relays reach one proxy address"),
+])
+def test_the_config_refuses_workers_where_a_rollout_could_not_reach_its_worker(extra, match):
+    from actors import REGISTRY
+    from pipeline.core import config as cfg
+    from pipeline.core.runtime import make_resolver
+
+    cfg.load_experiment("quickstart", make_resolver(REGISTRY), ["proxy.workers=1", *extra])  # one proxy: fine
+    with pytest.raises(cfg.ConfigError, match=match):
+        cfg.load_experiment("quickstart", make_resolver(REGISTRY), ["proxy.workers=2", *extra])
