@@ -41,6 +41,7 @@ from anyio.abc import TaskStatus
 
 from pipeline.core.logs import configure, get_logger
 from pipeline.messages import CallFailed, CallStarted, Message, ModelCall, ProxyEndpoint, RolloutRequest
+from pipeline.serving.engine import EngineProcess
 from pipeline.serving.factory import EngineSettings, open_renderer
 from pipeline.serving.launch import process
 from pipeline.serving.proxy import Proxy, ProxySettings
@@ -234,7 +235,7 @@ class ProxyWorkers:
             conns: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
             server = await asyncio.start_unix_server(lambda r, w: conns.put_nowait((r, w)), self.control)
             stack.callback(server.close)
-            procs = []
+            procs: list[EngineProcess] = []
             for w in self.workers:
                 cmd = [sys.executable, "-m", "pipeline.serving.proxy_workers", "--control", self.control,
                        "--worker", str(w.index)]
@@ -284,14 +285,14 @@ class ProxyWorkers:
                     w.calls += 1
                 await self.emit(msg)
 
-    async def _watch(self, procs: list[Any]) -> None:
+    async def _watch(self, procs: list[EngineProcess]) -> None:
         while True:
             for w, p in zip(self.workers, procs, strict=True):
                 if p.process.poll() is not None and not self._closing:
                     raise self._died(w, f"exited with code {p.process.returncode}")
             await anyio.sleep(0.5)
 
-    async def _close(self, procs: list[Any]) -> None:
+    async def _close(self, procs: list[EngineProcess]) -> None:
         self._closing = True
         with anyio.CancelScope(shield=True):
             for w in self.workers:
