@@ -1,6 +1,6 @@
 """The quickstart with two proxy workers (``--set proxy.workers=2``), shortened: rollouts are spread over both
 processes, every call of every rollout is recorded exactly once, and a replay of the log gives the same trees and
-training batches."""
+training batches. Then the same in Docker sandboxes, each container reaching its own worker's Unix socket."""
 
 import json
 import re
@@ -10,6 +10,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+
+from tests.rollout.conftest import images  # noqa: F401 (the fixture: the white-box image, or skip / fail)
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -21,11 +23,21 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_quickstart_with_two_proxy_workers_records_every_call_once_and_replays(tmp_path):
+    run_and_check(tmp_path, "quickstart", [])
+
+
+@pytest.mark.docker
+def test_docker_sandboxes_reach_their_own_proxy_worker(tmp_path, images):  # noqa: F811
+    run_and_check(tmp_path, "docker", [f'sandbox.docker.workdir="{tmp_path / "work"}"',
+                                       'sandbox.docker.build_network="none"'])
+
+
+def run_and_check(tmp_path: Path, experiment: str, extra: list[str]) -> None:
     run_dir = tmp_path / "run"
     sets = [f'run.model="{tmp_path / "model"}"', "experiment.build_model.tasks=60", "scheduler.sft_groups=8",
             "tree.sft_pack=8", "learner.sft_epochs=1", "run.steps=2", "scheduler.group_size=3",
-            "run.groups_per_step=2", "scheduler.tasks.count=20", 'monitor.display="off"', "proxy.workers=2"]
-    args = ["--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
+            "run.groups_per_step=2", "scheduler.tasks.count=20", 'monitor.display="off"', "proxy.workers=2", *extra]
+    args = ["--experiment", experiment, "--run-dir", str(run_dir), "--no-watch"]
     for s in sets:
         args += ["--set", s]
     r = run(*args)
