@@ -146,6 +146,7 @@ class _Worker:
     settings: ProxySettings
     log_path: Path
     pid: int = 0
+    process: EngineProcess | None = None
     reader: asyncio.StreamReader | None = None
     writer: asyncio.StreamWriter | None = None
     endpoint: ProxyEndpoint | None = None
@@ -216,11 +217,17 @@ class ProxyWorkers:
     async def _send(self, w: _Worker, msg: Any) -> None:
         assert w.writer is not None
         try:
-            w.writer.write(encode_frame(msg))  # whole, so frames never interleave
-            with anyio.fail_after(self.ack_timeout_s):
-                await w.writer.drain()
+            if not self._closing:
+                w.writer.write(encode_frame(msg))  # whole, so frames never interleave
+                with anyio.fail_after(self.ack_timeout_s):
+                    await w.writer.drain()
+                return
         except (ConnectionError, TimeoutError) as e:
-            raise self._died(w, f"its control channel failed ({e!r})") from None
+            if not self._closing:
+                raise self._died(w, f"its control channel failed ({e!r})") from None
+        # The workers are being stopped (the run is stopping, or one died and :meth:`run` is about to raise): that
+        # ends the caller too, with one error for the run rather than one per channel.
+        await anyio.sleep_forever()
 
     def _died(self, w: _Worker, what: str) -> WorkerDied:
         return WorkerDied(f"proxy worker {w.index}: {what}; log {w.log_path}:\n{_tail(w.log_path)}")
@@ -235,20 +242,23 @@ class ProxyWorkers:
             conns: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
             server = await asyncio.start_unix_server(lambda r, w: conns.put_nowait((r, w)), self.control)
             stack.callback(server.close)
-            procs: list[EngineProcess] = []
             for w in self.workers:
                 cmd = [sys.executable, "-m", "pipeline.serving.proxy_workers", "--control", self.control,
                        "--worker", str(w.index)]
-                procs.append(await stack.enter_async_context(process(f"proxy-worker-{w.index}", cmd,
-                                                                     log_path=w.log_path)))
+                w.process = await stack.enter_async_context(process(f"proxy-worker-{w.index}", cmd,
+                                                                    log_path=w.log_path))
             # runs last on the way out: the workers see their channel close and stop on their own (logging what
             # they served) before process() terminates what is left
-            stack.push_async_callback(self._close, procs)
+            stack.push_async_callback(self._close)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch, procs)
+                # until every worker is connected, a worker that exits is noticed here; from then on by its reader
+                # (the channel closes with the process), which alone reports it, so the run fails with one error
+                starting = anyio.CancelScope()
+                tg.start_soon(self._watch_start, starting)
                 with anyio.fail_after(self.start_timeout_s):
                     for _ in self.workers:
                         await self._handshake(*await conns.get())
+                starting.cancel()
                 log.info("proxy workers serving", workers=[w.endpoint.base_url for w in self.workers if w.endpoint])
                 for w in self.workers:
                     tg.start_soon(self._read, w)
@@ -274,8 +284,13 @@ class ProxyWorkers:
             except (asyncio.IncompleteReadError, ConnectionError) as e:
                 if self._closing:
                     return
-                await anyio.sleep(0.5)  # the exit code and the last lines of its log, when it is dying
-                raise self._died(w, f"the control channel closed ({type(e).__name__})") from None
+                if w.process is not None:
+                    # the exit code and the last lines of its log, when it is dying
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        await anyio.to_thread.run_sync(w.process.process.wait, 2.0)
+                    if w.process.process.returncode is not None:
+                        raise self._died(w, f"exited with code {w.process.process.returncode}") from None
+                raise self._died(w, f"closed its control channel ({type(e).__name__})") from None
             if isinstance(msg, Registered):
                 ev = self._acks.pop(msg.rollout_id, None)
                 if ev is not None:
@@ -285,23 +300,25 @@ class ProxyWorkers:
                     w.calls += 1
                 await self.emit(msg)
 
-    async def _watch(self, procs: list[EngineProcess]) -> None:
-        while True:
-            for w, p in zip(self.workers, procs, strict=True):
-                if p.process.poll() is not None and not self._closing:
-                    raise self._died(w, f"exited with code {p.process.returncode}")
-            await anyio.sleep(0.5)
+    async def _watch_start(self, scope: anyio.CancelScope) -> None:
+        with scope:
+            while True:
+                for w in self.workers:
+                    if w.process is not None and w.process.process.poll() is not None:
+                        raise self._died(w, f"exited with code {w.process.process.returncode}")
+                await anyio.sleep(0.2)
 
-    async def _close(self, procs: list[EngineProcess]) -> None:
+    async def _close(self) -> None:
         self._closing = True
         with anyio.CancelScope(shield=True):
             for w in self.workers:
                 if w.writer is not None:
                     w.writer.close()
             deadline = time.monotonic() + 5
-            for p in procs:
+            for w in self.workers:
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    await anyio.to_thread.run_sync(p.process.wait, max(0.0, deadline - time.monotonic()))
+                    if w.process is not None:
+                        await anyio.to_thread.run_sync(w.process.process.wait, max(0.0, deadline - time.monotonic()))
         log.info("proxy workers stopped", calls=[w.calls for w in self.workers])
 
 
