@@ -324,7 +324,8 @@ class ProxyWorkers:
 
 # ------------------------------------------------------------------------------------------- the worker
 async def worker_main(control: str, index: int) -> None:
-    reader, writer = await asyncio.open_unix_connection(control)
+    async with asyncio.timeout(30):
+        reader, writer = await asyncio.open_unix_connection(control)
     calls = 0
 
     async def send(msg: Any) -> None:
@@ -347,7 +348,8 @@ async def worker_main(control: str, index: int) -> None:
     proxy = Proxy(engine, open_renderer(setup.renderer), emit, setup.proxy)
     proxy.policy_version = setup.policy_version
     proxy.log = wlog
-    await proxy.start()
+    async with asyncio.timeout(60):
+        await proxy.start()
     try:
         await send(Ready(base_url=proxy.base_url, unix_socket=proxy.unix_socket))
         while True:
