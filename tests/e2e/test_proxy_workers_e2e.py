@@ -44,7 +44,7 @@ def run_and_check(tmp_path: Path, experiment: str, extra: list[str]) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
 
     from pipeline.core.eventlog import EventLogReader
-    from pipeline.messages import CallFailed, ModelCall, RolloutRequest, SettledRollout
+    from pipeline.messages import CallFailed, CallStarted, ModelCall, RolloutRequest, SettledRollout
 
     events = list(EventLogReader(run_dir / "events.msgpack"))
     routed = {e.msg.rollout_id: e.msg for e in events
@@ -57,6 +57,8 @@ def run_and_check(tmp_path: Path, experiment: str, extra: list[str]) -> None:
     # exactly once: no call id twice, each rollout's calls numbered 0..n-1 without a gap, and what the collector
     # settled for a rollout is what the log holds for it
     assert max(Counter(c.call_id for c in calls).values()) == 1
+    started = Counter(e.msg.call_id for e in events if isinstance(e.msg, CallStarted))
+    assert max(started.values()) == 1 and set(started) == {c.call_id for c in [*calls, *failed]}
     seqs = defaultdict(list)
     for c in [*calls, *failed]:
         seqs[c.rollout_id].append(c.seq)
