@@ -108,7 +108,9 @@ class SandboxPool(Actor[SandboxConfig]):
                     fin = RolloutFinished(rollout_id=req.rollout_id, group_id=req.group_id, status="sandbox_error",
                                           details=f"task {req.task_path}: {e}")
                 else:
-                    fin = await backend.run(req, task, proxy_url=service.base_url, proxy_socket=service.unix_socket)
+                    # with [proxy] workers > 1 the rollout's own worker, which alone knows its token
+                    at = req.proxy or service
+                    fin = await backend.run(req, task, proxy_url=at.base_url, proxy_socket=at.unix_socket)
             finally:
                 self.running -= 1
         self.log.debug("rollout finished", rollout=req.rollout_id, status=fin.status, reward=fin.reward)

@@ -81,7 +81,7 @@ def offline_render_ms(prompt: str, n: int = 40) -> float:
 
 
 # ------------------------------------------------------------------------------------------ load client
-async def run_client(url: str, tokens: list[str], concurrency: int, requests: int, warmup: int, prompt: str,
+async def run_client(url: str, tokens: list[Any], concurrency: int, requests: int, warmup: int, prompt: str,
                      tag: str, max_tokens: int, turns: int = 1) -> dict[str, Any]:
     import aiohttp
 
@@ -90,8 +90,11 @@ async def run_client(url: str, tokens: list[str], concurrency: int, requests: in
     total = n_warm + -(-requests // turns)
     bodies = [[json.dumps(chat_body(prompt, f"{tag}-{i}", max_tokens, t)).encode() for t in range(turns)]
               for i in range(total)]
-    headers = [{"Content-Type": "application/json", **({"Authorization": f"Bearer {tokens[w % len(tokens)]}"}
-                                                        if tokens else {})} for w in range(concurrency)]
+    # a token is a string (every call to ``url``) or [url, token]: a rollout of a proxy worker, called at its own
+    urls = [tokens[w % len(tokens)][0] if tokens and isinstance(tokens[0], list) else url for w in range(concurrency)]
+    toks = [t[1] if isinstance(t, list) else t for t in tokens]
+    headers = [{"Content-Type": "application/json", **({"Authorization": f"Bearer {toks[w % len(toks)]}"}
+                                                        if toks else {})} for w in range(concurrency)]
     lat: list[float] = []
     errors: list[str] = []
     next_i = 0
@@ -104,7 +107,7 @@ async def run_client(url: str, tokens: list[str], concurrency: int, requests: in
             for body in bodies[i]:
                 t0 = time.perf_counter()
                 try:
-                    async with session.post(url, data=body, headers=headers[w]) as resp:
+                    async with session.post(urls[w], data=body, headers=headers[w]) as resp:
                         data = await resp.read()
                         status = resp.status
                 except (TimeoutError, aiohttp.ClientError) as e:

@@ -6,6 +6,7 @@
     python benchmarks/proxy.py --turns 8               # agent-like rollouts: 8 calls, each resending the history
     python benchmarks/proxy.py --py-spy /tmp/bridle.json # also profile the bridle proxy (pip install py-spy;
                                                        # .json = speedscope, .svg = flamegraph)
+    python benchmarks/proxy.py --workers 1,2,4 --levels 64 # throughput per proxy worker count ([proxy] workers)
 
 Set-up (every process alone on its own event loop, everything on 127.0.0.1):
 
@@ -45,6 +46,14 @@ a venv of its own and point ``--litellm`` at its binary (the default looks in /w
     python3 -m venv /work/venv-litellm && /work/venv-litellm/bin/pip install 'litellm[proxy]'
 
 Without it the LiteLLM columns show "-" and a message says why.
+
+``--workers 1,2,4`` measures bridle alone, once per worker count: 1 is the in-process proxy (as above), N > 1 is
+``pipeline.serving.proxy_workers.ProxyWorkers`` (N worker processes and the relay that passes their records on, as
+the proxy actor runs them), each client on a rollout of its own, called at the worker that owns it. Reported per
+count and level: requests/s, p50, the CPU per request of the client, the engine, the relay's loop and the workers'
+loops, and the throughput model's bound here and with a core per process (min(N / worker ms, 1 / relay ms) for
+the proxy alone): on a 2-core machine the client and the engine take most of the cores, so only the model says
+what more workers buy on a bigger node.
 """
 
 from __future__ import annotations
@@ -122,6 +131,47 @@ async def serve_bridle(port: int, engine_url: str, rollouts: int, render_thread_
     finally:
         await proxy.stop()
         await engine.aclose()
+
+
+async def serve_workers(n: int, engine_url: str, rollouts: int) -> None:
+    """N proxy workers as the proxy actor runs them (no actor: the records are counted here, the relay's work)."""
+    import anyio
+
+    from pipeline.core.logs import configure
+    from pipeline.messages import ModelCall, RolloutRequest
+    from pipeline.serving.factory import EngineSettings
+    from pipeline.serving.proxy import ProxySettings
+    from pipeline.serving.proxy_workers import ProxyWorkers, Setup
+
+    configure(level="info")
+    stats = {"calls": 0}
+
+    async def emit(m: Any) -> None:
+        stats["calls"] += isinstance(m, ModelCall)
+
+    tmp = tempfile.mkdtemp(prefix="bridle-pw-bench-")
+    settings = ProxySettings()  # TCP only, like the in-process proxy here
+    setup = Setup(proxy=settings, renderer=EngineSettings(), engine_url=engine_url, control_urls=[engine_url],
+                  generate_timeout_s=60.0, policy_version=0)
+    pool = ProxyWorkers(n, settings, setup, emit, control_dir=tmp, log_dir=Path(tmp))
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(pool.run)
+            targets = []
+            for i in range(rollouts):
+                req = RolloutRequest(rollout_id=f"bench-{i}", group_id=f"bench-{i}", index=0, group_size=1, task_id="",
+                                     harness="manual", token=f"bridle-bench-{i}", policy_version=0)
+                routed = await pool.register(req)
+                assert routed.proxy is not None
+                targets.append([routed.proxy.base_url + "/v1/chat/completions", req.token])
+            print("BRIDLE-READY " + json.dumps({"targets": targets, "pid": os.getpid()}), flush=True)
+            while True:  # EOF on stdin ends the server
+                line = (await anyio.to_thread.run_sync(sys.stdin.readline)).strip()
+                if not line or line == "quit":
+                    break
+            tg.cancel_scope.cancel()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def serve_bridle_main(args: argparse.Namespace) -> None:
@@ -404,6 +454,85 @@ def bench(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+def bench_workers(args: argparse.Namespace) -> int:
+    """Throughput per proxy worker count (``--workers``); see the module docstring."""
+    from _children import _proc_stat
+    from _proxy_report import cores, fmt, print_table
+
+    from pipeline.tokens.tokenizer import QwenTokenizer
+
+    counts = [int(x) for x in args.workers.split(",")]
+    ids = QwenTokenizer().encode("OK<|im_end|>")
+    prompt, n_prompt = build_prompt(args.prompt_tokens)
+    tmp = Path(tempfile.mkdtemp(prefix="bridle-proxy-workers-bench-"))
+    prompt_file = tmp / "prompt.txt"
+    prompt_file.write_text(prompt)
+    children: list[Child] = []
+    rows: list[dict[str, Any]] = []
+    try:
+        engine = Child("engine", [sys.executable, str(ROOT / "benchmarks" / "_zero_engine.py"),
+                                  "--ids", *map(str, ids), "--text", "OK"], log_dir=tmp)
+        children.append(engine)
+        engine_url = engine.wait_line("ENGINE-READY ", 60)
+        for n in counts:
+            serve = ["--serve-bridle", "0", engine_url] if n == 1 else ["--serve-workers", str(n), engine_url]
+            child = Child(f"proxy-{n}", [sys.executable, str(HERE), *serve, "--rollouts", str(max(args.levels))],
+                          stdin=True, log_dir=tmp)
+            children.append(child)
+            ready = json.loads(child.wait_line("BRIDLE-READY ", 180))
+            targets = ready.get("targets") or [[ready["base_url"] + "/v1/chat/completions", t] for t in ready["tokens"]]
+            (tmp / f"targets-{n}.json").write_text(json.dumps(targets))
+            pid = child.proc.pid
+            for level in args.levels:
+                requests = max(args.requests, 4 * level)
+                own0 = (_proc_stat(f"/proc/{pid}/stat") or (0, float("nan")))[1]
+                tree0, loop0, eng0 = tree_cpu_seconds(pid), main_thread_cpu_seconds(pid), tree_cpu_seconds(engine.proc.pid)
+                r = run_level(targets[0][0], str(tmp / f"targets-{n}.json"), prompt_file, level, requests,
+                              f"w{n}-{level}", args.max_tokens, args.turns)
+                own1 = (_proc_stat(f"/proc/{pid}/stat") or (0, float("nan")))[1]
+                tree1, loop1, eng1 = tree_cpu_seconds(pid), main_thread_cpu_seconds(pid), tree_cpu_seconds(engine.proc.pid)
+                done = r["errors"] + len(r["latencies"]) + warmup_requests(level, args.turns)
+                ms = 1e3 / done
+                # one worker: the in-process proxy is the only loop; N: the relay is this child's loop, the
+                # workers are its children (their tokenizer threads included)
+                worker_ms = (tree1 - tree0) * ms if n == 1 else ((tree1 - tree0) - (own1 - own0)) * ms
+                relay_ms = 0.0 if n == 1 else (loop1 - loop0) * ms
+                row = {"workers": n, "level": level, "rps": len(r["latencies"]) / r["wall"] if r["wall"] else 0.0,
+                       "p50": pct(r["latencies"], 50) * 1e3, "errors": r["errors"],
+                       "cpu_ms": {"client": r["cpu"] * 1e3 / max(1, len(r["latencies"])), "engine": (eng1 - eng0) * ms,
+                                  "relay": relay_ms, "workers": worker_ms, "proxy": (tree1 - tree0) * ms}}
+                c = row["cpu_ms"]
+                loops = [c["client"], c["engine"], *([relay_ms] if n > 1 else []), *[worker_ms / n] * n]
+                row["model_here"] = 1e3 * min(cores() / (c["client"] + c["engine"] + c["proxy"]), 1 / max(loops))
+                row["proxy_core_each"] = 1e3 * min(n / worker_ms, 1 / relay_ms if relay_ms else float("inf"))
+                rows.append(row)
+                print(f"  workers {n} @ {level}: {row['rps']:.0f} req/s, p50 {row['p50']:.2f} ms, "
+                      f"errors {r['errors']}", flush=True)
+            child.stop()
+            children.remove(child)
+    except BaseException:
+        print(f"benchmark failed; child logs kept in {tmp}", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        for c in reversed(children):
+            c.stop()
+    print()
+    print(f"Proxy workers, {n_prompt}-token prompts, {cores()} cores. CPU ms per request: client, engine, the relay "
+          "(the actor's loop passing records on) and the workers (all of them together; each request is served by "
+          "one). Model: min(cores / all, 1 / busiest loop) here; the proxy alone with a core per process: "
+          "min(workers / worker ms, 1 / relay ms).")
+    head = ["workers", "clients", "req/s", "p50 ms", "client", "engine", "relay", "workers", "model req/s here",
+            "proxy, a core each"]
+    print_table(head, [[str(r["workers"]), str(r["level"]), fmt(r["rps"], 0), fmt(r["p50"], 2),
+                        *(fmt(r["cpu_ms"][k], 3) for k in ("client", "engine", "relay", "workers")),
+                        fmt(r["model_here"], 0), fmt(r["proxy_core_each"], 0)] for r in rows])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"prompt_tokens": n_prompt, "cores": cores(), "rows": rows}, indent=1))
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64], help="concurrent streaming clients")
@@ -420,10 +549,12 @@ def main() -> None:
     ap.add_argument("--py-spy", metavar="OUT", help="record the bridle proxy with py-spy (.svg flamegraph or "
                     ".json speedscope)")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    ap.add_argument("--workers", metavar="N,N,...", help="bridle alone, once per proxy worker count (1: in process)")
     ap.add_argument("--render-thread-chars", type=int, metavar="N",
                     help="bridle's ProxySettings.render_thread_chars (0: always tokenize on the event loop)")
     # internal entry points (the children this script starts)
     ap.add_argument("--serve-bridle", nargs=2, metavar=("PORT", "ENGINE_URL"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve-workers", nargs=2, metavar=("N", "ENGINE_URL"), help=argparse.SUPPRESS)
     ap.add_argument("--rollouts", type=int, default=64, help=argparse.SUPPRESS)
     ap.add_argument("--client", nargs=3, metavar=("URL", "TOKENS_JSON", "PROMPT_FILE"), help=argparse.SUPPRESS)
     ap.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
@@ -432,6 +563,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.serve_bridle:
         serve_bridle_main(args)
+    elif args.serve_workers:
+        import anyio
+
+        anyio.run(serve_workers, int(args.serve_workers[0]), args.serve_workers[1], args.rollouts)
+    elif args.workers:
+        sys.exit(bench_workers(args))
     elif args.client:
         client_main(args)
     else:

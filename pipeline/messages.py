@@ -87,6 +87,14 @@ class EvalTag(msgspec.Struct, kw_only=True, omit_defaults=True):
     oracle_steps: int = 0  # the task's reference solution in calls, for step efficiency (0: none)
 
 
+class ProxyEndpoint(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Where a rollout's harness reaches the proxy worker that owns it ([proxy] workers > 1)."""
+
+    worker: int
+    base_url: str  # http://127.0.0.1:PORT (no /v1)
+    unix_socket: str = ""
+
+
 class RolloutRequest(_Msg, kw_only=True):
     """Scheduler -> SandboxPool (and Proxy, which learns the token from it). One rollout of one group."""
 
@@ -109,6 +117,9 @@ class RolloutRequest(_Msg, kw_only=True):
     # its last (possibly partial) pack is complete and how many packs the learner must wait for.
     demonstrations: int = 0
     eval: EvalTag | None = None  # purpose "eval": what the rollout measures
+    # Set by the proxy when it runs several workers: the one that owns this rollout, where the sandbox pool sends
+    # the harness (instead of ServiceReady's address).
+    proxy: ProxyEndpoint | None = None
 
 
 # ---------------------------------------------------------------------------------------------- the proxy

@@ -300,6 +300,9 @@ async def serve(
     if len(names) != 1:
         raise cfg.ConfigError(f"--serve: the experiment needs exactly one actor of kind \"proxy\" (found {names})")
     name = names[0]
+    if getattr(exp.sections[name], "workers", 1) > 1:
+        raise cfg.ConfigError(f"--serve: [{name}].workers = {exp.sections[name].workers}: recording by hand goes "
+                              "through one proxy; set it to 1")
     log = open_event_log(rd, exp)
     sup = Supervisor(exp, resolve, log, only={name}, external_inputs={name}, run_dir=rd.path)
     actor: Any = sup.actors[name]

@@ -74,6 +74,24 @@ def test_short_run_end_to_end(tmp_path):
         assert marker in proc.stdout, marker
 
 
+def test_workers_short_run(tmp_path):
+    """``--workers 1,2``: the in-process proxy, then two worker processes behind the relay, every request answered
+    and a row per count with the CPU of each part (no timing asserted)."""
+    out = tmp_path / "workers.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--workers", "1,2", "--levels", "8", "--requests", "48", "--prompt-tokens",
+         "256", "--json", str(out)],
+        cwd=str(ROOT), capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workers"], r["errors"]) for r in rows] == [(1, 0), (2, 0)]
+    assert rows[0]["cpu_ms"]["relay"] == 0 and rows[1]["cpu_ms"]["relay"] > 0
+    assert all(r["rps"] > 0 and r["cpu_ms"]["workers"] > 0 and r["proxy_core_each"] > 0 for r in rows)
+    assert "Proxy workers" in proc.stdout
+
+
 def test_harness_benchmark_short_run(tmp_path):
     """benchmarks/harnesses.py on the white-box harness (no binary needed): the tools rollout and its compaction
     rollout, local backend; the tables say what was measured (no timing asserted)."""

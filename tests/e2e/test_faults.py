@@ -152,3 +152,41 @@ def test_a_dead_engine_fails_the_run_at_once_with_its_exit_code(tmp_path):
     crash = [s for s in stops if s.reason == "crashed"]
     assert [s.actor for s in crash] == ["proxy"] and "EngineDied" in crash[0].error, stops
     assert "exited with code -9" in crash[0].error
+
+
+def test_a_dead_proxy_worker_fails_the_run_with_its_log_and_leaves_no_process(tmp_path):
+    """``[proxy] workers = 2``: a worker killed mid-run stops the run at once, naming the worker, its exit code and
+    its log; the other worker is stopped with it."""
+    run_dir = tmp_path / "run"
+    sets = [f'run.model="{tmp_path / "model"}"', "experiment.build_model.tasks=20", "scheduler.sft_groups=0",
+            "run.steps=50", "scheduler.group_size=2", "run.groups_per_step=2", "scheduler.tasks.count=10",
+            'monitor.display="off"', "proxy.workers=2"]
+    args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
+    for s in sets:
+        args += ["--set", s]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and '"source": "sandbox"' in metrics.read_text()):  # a rollout finished
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300, "the run did not start rolling out"
+            time.sleep(0.2)
+        started = {e["event"]: e["pid"] for e in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())
+                   if e.get("event", "").startswith("proxy-worker-")}
+        os.kill(started["proxy-worker-1 process started"], signal.SIGKILL)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    from pipeline.messages import ActorStopped
+
+    stops = [e.msg for e in EventLogReader(run_dir / "events.msgpack") if isinstance(e.msg, ActorStopped)]
+    crash = [s for s in stops if s.reason == "crashed"]
+    assert [s.actor for s in crash] == ["proxy"] and "WorkerDied" in crash[0].error, stops
+    assert "proxy worker 1" in crash[0].error and "exited with code -9" in crash[0].error, crash[0].error
+    assert "proxy-worker-1.log" in crash[0].error
+    with pytest.raises(ProcessLookupError):
+        os.kill(started["proxy-worker-0 process started"], 0)

@@ -1,0 +1,173 @@
+"""Proxy workers (pipeline/serving/proxy_workers.py): the control frames, then real worker processes routing,
+serving and refusing rollouts, and a dead worker failing the run with its log."""
+
+import os
+import signal
+import tempfile
+
+import aiohttp
+import anyio
+import msgspec
+import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.messages import ModelCall, RolloutRequest, SamplingParams, pack_f32, pack_i32
+from pipeline.serving.factory import EngineSettings
+from pipeline.serving.proxy import ProxySettings
+from pipeline.serving.proxy_workers import (
+    FROM_WORKER,
+    MAX_FRAME,
+    TO_WORKER,
+    Forget,
+    FrameError,
+    Hello,
+    ProxyWorkers,
+    Register,
+    Registered,
+    Setup,
+    Version,
+    WorkerDied,
+    encode_frame,
+    read_frame,
+    worker_endpoint,
+)
+
+
+def request(rid: str, script: list | None = None) -> RolloutRequest:
+    return RolloutRequest(rollout_id=rid, group_id="g", index=0, group_size=1, task_id="t", harness="manual",
+                          token=f"tok-{rid}", policy_version=0, sampling=SamplingParams(max_new_tokens=8),
+                          script=script or [])
+
+
+def model_call(n: int) -> ModelCall:
+    return ModelCall(rollout_id="r", call_id="c", seq=0, protocol="chat", label="main", input_ids=pack_i32(range(n)),
+                     output_ids=pack_i32([1, 2]), logprobs=pack_f32([-0.5, -0.25]), finish_reason="stop")
+
+
+FROM = [Hello(worker=1, pid=7), Registered(rollout_id="r"), model_call(3), model_call(2000)]
+TO = [Register(request=request("a")), Forget(rollout_id="a"), Version(version=4)]
+
+
+async def frames_through(chunks: list[bytes], decoder: msgspec.msgpack.Decoder, n: int) -> list:
+    send, recv = anyio.create_memory_object_stream[bytes](len(chunks) + 1)
+    for c in chunks:
+        send.send_nowait(c)
+    send.close()
+    reader = BufferedByteReceiveStream(recv)
+    return [await read_frame(reader.receive_exactly, decoder) for _ in range(n)]
+
+
+@settings(max_examples=50, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=20_000), max_size=12))
+def test_frames_decode_the_same_however_the_stream_is_cut(cuts):
+    data = b"".join(encode_frame(m) for m in FROM)
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    chunks = [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True) if b > a]
+    got = anyio.run(frames_through, chunks, FROM_WORKER, len(FROM))
+    assert got == FROM
+
+
+def test_each_side_decodes_its_own_frames_only():
+    got = anyio.run(frames_through, [bytes(encode_frame(m)) for m in TO], TO_WORKER, len(TO))
+    assert got == TO
+    with pytest.raises(FrameError, match="undecodable"):
+        anyio.run(frames_through, [bytes(encode_frame(Version(version=1)))], FROM_WORKER, 1)
+
+
+def test_a_length_past_the_limit_is_refused_and_a_cut_frame_is_incomplete():
+    with pytest.raises(FrameError, match="out of step"):
+        anyio.run(frames_through, [(MAX_FRAME + 1).to_bytes(4, "little") + b"x"], FROM_WORKER, 1)
+    whole = bytes(encode_frame(Hello(worker=0, pid=1)))
+    with pytest.raises(anyio.IncompleteRead):
+        anyio.run(frames_through, [whole[:-1]], FROM_WORKER, 1)
+
+
+def test_each_worker_gets_its_own_socket_and_port():
+    s = ProxySettings(port=0, unix_socket="/tmp/x/proxy.sock")
+    assert [(w.port, w.unix_socket) for w in (worker_endpoint(s, i) for i in range(2))] == [
+        (0, "/tmp/x/proxy-0.sock"), (0, "/tmp/x/proxy-1.sock")]
+    assert worker_endpoint(ProxySettings(port=9000), 2).port == 9002
+    assert worker_endpoint(ProxySettings(), 1).unix_socket == ""
+
+
+# ------------------------------------------------------------------------------------ real worker processes
+def pool(tmp_path, records: list, n: int = 2) -> ProxyWorkers:
+    async def emit(msg):
+        records.append(msg)
+
+    control_dir = tempfile.mkdtemp(prefix="bridle-pw-test-")  # a socket path must stay under 108 bytes
+    settings_ = ProxySettings(unix_socket=os.path.join(control_dir, "proxy.sock"))
+    # no engine call is made: the rollouts here are scripted, played by each worker's own scripted engine
+    setup = Setup(proxy=settings_, renderer=EngineSettings(), engine_url="http://127.0.0.1:9",
+                  control_urls=["http://127.0.0.1:9"], generate_timeout_s=10, policy_version=0)
+    return ProxyWorkers(n, settings_, setup, emit, control_dir=control_dir, log_dir=tmp_path)
+
+
+async def chat(base_url: str, token: str, sock: str = "") -> int:
+    conn = aiohttp.UnixConnector(path=sock) if sock else None
+    async with aiohttp.ClientSession(connector=conn) as s, s.post(
+            f"{base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
+            json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]}) as r:
+        await r.read()
+        return r.status
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_rollouts_are_spread_over_the_workers_and_only_their_own_worker_serves_them(tmp_path):
+    records: list = []
+    p = pool(tmp_path, records)
+    script = [{"text": "one"}, {"text": "two"}]
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(120):
+            await tg.start(p.run)
+            routed = [await p.register(request(r, script)) for r in ("a", "b", "c")]
+        assert [r.proxy.worker for r in routed] == [0, 1, 0]  # the least busy, lowest index first
+        a, b = routed[0], routed[1]
+        with anyio.fail_after(30):
+            assert await chat(a.proxy.base_url, a.token) == 200
+            assert await chat(b.proxy.base_url, b.token, sock=b.proxy.unix_socket) == 200
+            assert await chat(b.proxy.base_url, a.token) == 401  # worker 1 never heard of rollout a
+            await p.forget("a")
+            assert (await p.register(request("d", script))).proxy.worker == 0  # a's place was freed
+            assert await chat(a.proxy.base_url, a.token) == 401  # forgotten
+        tg.cancel_scope.cancel()
+    calls = [m for m in records if isinstance(m, ModelCall)]
+    assert [(m.rollout_id, m.seq) for m in calls] == [("a", 0), ("b", 0)]
+    assert [w.calls for w in p.workers] == [1, 1]
+    assert "proxy worker stopped" in (tmp_path / "proxy-worker-1.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_worker_that_dies_fails_the_run_with_its_log(tmp_path):
+    p = pool(tmp_path, [])
+    with pytest.raises(BaseExceptionGroup) as caught, anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            await tg.start(p.run)
+            with (tmp_path / "proxy-worker-1.log").open("a") as f:
+                f.write("last words\n")
+            os.kill(p.workers[1].pid, signal.SIGKILL)
+            await anyio.sleep_forever()
+    group = caught.value.subgroup(lambda e: isinstance(e, WorkerDied))
+    died = []
+    while group is not None and not died:  # task groups nest: the pool's inside this one
+        died = [e for e in group.exceptions if isinstance(e, WorkerDied)]
+        group = next((e for e in group.exceptions if isinstance(e, BaseExceptionGroup)), None)
+    assert died and "proxy worker 1" in str(died[0]) and "last words" in str(died[0]), caught.value.exceptions
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    (['proxy.engine.kind="scripted"', 'proxy.engine.script="x.json"'], "scripted engine lives in the proxy's process"),
+    (['sandbox.backend="ray"'], "the Ray relays reach one proxy address"),
+])
+def test_the_config_refuses_workers_where_a_rollout_could_not_reach_its_worker(extra, match):
+    from actors import REGISTRY
+    from pipeline.core import config as cfg
+    from pipeline.core.runtime import make_resolver
+
+    cfg.load_experiment("quickstart", make_resolver(REGISTRY), ["proxy.workers=1", *extra])  # one proxy: fine
+    with pytest.raises(cfg.ConfigError, match=match):
+        cfg.load_experiment("quickstart", make_resolver(REGISTRY), ["proxy.workers=2", *extra])
