@@ -35,6 +35,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from pipeline.core.logs import get_logger
 from pipeline.core.paths import REPO
+from pipeline.core.runfiles import remove_prefixed
 from pipeline.core.runtime import on_emergency
 from pipeline.messages import TreeGroup
 from pipeline.training.learner_config import LearnerConfig
@@ -323,14 +324,17 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 @contextlib.asynccontextmanager
 async def start_ranks(processes: int, *, log_path: Path, gpus: str = "", fsdp: bool = False, threads: int = 0,
-                      timeout_s: float = 1800.0, start_timeout_s: float = 600.0) -> AsyncIterator[Ranks]:
+                      timeout_s: float = 1800.0, start_timeout_s: float = 600.0,
+                      socket_prefix: str = "bridle-ranks-") -> AsyncIterator[Ranks]:
     """Start ``processes`` learner ranks and wait until each has connected; stopped on exit (also when cancelled).
-    ``gpus``: CUDA device ids for the ranks ("0,1"; empty: all visible); without CUDA the ranks run on the CPU."""
+    ``gpus``: CUDA device ids for the ranks ("0,1"; empty: all visible); without CUDA the ranks run on the CPU.
+    ``socket_prefix``: of the socket's folder in the temp dir; what a crash left under it is removed first."""
     import torch
 
     cuda = torch.cuda.is_available()
     log = get_logger(actor="learner")
-    sock_dir = Path(tempfile.mkdtemp(prefix="bridle-ranks-"))  # short: a socket path has ~100 bytes at most
+    remove_prefixed(tempfile.gettempdir(), socket_prefix)
+    sock_dir = Path(tempfile.mkdtemp(prefix=socket_prefix))  # not the run folder: a socket path has < 108 bytes
     sock_path = sock_dir / "learner.sock"
     cmd = launch_command(processes, str(sock_path), cuda=cuda, gpus=gpus, fsdp=fsdp, threads=threads)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
