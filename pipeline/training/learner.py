@@ -271,8 +271,9 @@ class Learner:
                     "--set learner.train.kl_coef=0, or start a new run")
             from safetensors.torch import load_model
 
+            dev = self.accelerator.device  # "cpu:0" on a gloo rank, which safetensors does not take
             load_model(self.reference, str(src.parent / state["reference"] / REFERENCE_FILE),
-                       device=str(self.accelerator.device))
+                       device="cpu" if dev.type == "cpu" else str(dev))
         _log().info("checkpoint_loaded", path=str(src), step=self.step, version=self.version,
                     reference=state.get("reference", ""))
         return dict(state["extra"])

@@ -332,6 +332,9 @@ async def start_ranks(processes: int, *, log_path: Path, gpus: str = "", fsdp: b
     import torch
 
     cuda = torch.cuda.is_available()
+    if fsdp and not cuda:
+        raise ValueError("[learner] fsdp = true needs CUDA devices: Accelerate's FSDP plugin does not shard over CPU "
+                         "ranks (set fsdp = false to train the ranks with DDP)")
     log = get_logger(actor="learner")
     remove_prefixed(tempfile.gettempdir(), socket_prefix)
     sock_dir = Path(tempfile.mkdtemp(prefix=socket_prefix))  # not the run folder: a socket path has < 108 bytes

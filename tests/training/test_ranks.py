@@ -134,3 +134,24 @@ def test_a_killed_rank_fails_the_run_at_once(model_dir, tmp_path):
                 await ranks.train_step(_groups(2, seed=0))
 
     anyio.run(go)
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_the_launch_command_is_one_accelerate_parses(fsdp):
+    """Every flag start_ranks passes is one of Accelerate's launcher (FSDP's too, which no CPU test can run:
+    Accelerate turns FSDP on only for accelerator ranks)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from pipeline.training.ranks import launch_command
+
+    cmd = launch_command(2, "/tmp/x.sock", cuda=True, gpus="0,1", fsdp=fsdp, threads=3)
+    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    args = launch_command_parser().parse_args(cmd[3:])
+    assert (args.num_processes, args.gpu_ids, args.num_cpu_threads_per_process) == (2, "0,1", 3)
+    assert args.module and args.training_script == "pipeline.training.rank_worker"
+    assert args.training_script_args == ["--socket", "/tmp/x.sock", "--threads", "3"]
+    if fsdp:
+        assert args.use_fsdp and args.fsdp_state_dict_type == "FULL_STATE_DICT"
+        assert args.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+    else:
+        assert args.multi_gpu and not args.use_fsdp
