@@ -28,12 +28,15 @@ every rank's reply back).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 import torch
@@ -229,6 +232,7 @@ def parse_args(cuda: bool) -> argparse.Namespace:
     ap.add_argument("--ranks", default="1", help="learner processes to compare, e.g. 1,2")
     ap.add_argument("--groups", type=int, default=None, help="groups per step (default 1; 4 with --ranks)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
+    ap.add_argument("--rounds", type=int, default=1, help="timing rounds (median), rank counts interleaved")
     return ap.parse_args()
 
 
@@ -246,46 +250,6 @@ def print_counts(full_groups: dict[str, TreeGroup]) -> None:
             f"{name:<11} {c['sequences']:>5} {c['tokens']:>9} {c['trainable']:>9} {c['attn_pairs']:>13} "
             f"{c['tokens'] / base['tokens']:>9.2f} {c['attn_pairs'] / base['attn_pairs']:>8.2f}"
         )
-
-
-def time_layout(learner: Learner, batch: list[TreeGroup], iters: int, cuda: bool) -> tuple[float, float]:
-    """(seconds per train step, mean of ``iters`` after a warm-up one; peak GiB allocated on the GPU or NaN)."""
-    learner.train_step(batch)  # warm-up: compilation, allocator
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        learner.train_step(batch)
-    if cuda:
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / iters
-    return dt, torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-
-
-def time_ranks(n: int, model_dir: Path, cfg: LearnerConfig, batches: dict[str, list[TreeGroup]], iters: int,
-               threads: int) -> dict[str, float]:
-    """Seconds per train step of each layout's batch on ``n`` learner ranks (after a warm-up step each)."""
-    import anyio
-
-    from pipeline.training.ranks import start_ranks
-
-    out: dict[str, float] = {}
-
-    async def go() -> None:
-        log = Path(tempfile.gettempdir()) / f"bridle-bench-ranks-{os.getpid()}.log"
-        async with start_ranks(n, log_path=log, threads=threads, timeout_s=3600) as ranks:
-            for name, batch in batches.items():
-                await ranks.init(str(model_dir), cfg)
-                await ranks.train_step(batch)
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    await ranks.train_step(batch)
-                out[name] = (time.perf_counter() - t0) / iters
-        log.unlink(missing_ok=True)
-
-    anyio.run(go)
-    return out
 
 
 Timing = tuple[dict[str, int], float, float, float]  # counts, step seconds, model TFLOP/s, peak GiB
@@ -352,27 +316,73 @@ def main() -> None:
     print(
         f"\ntimed run: {'small Qwen3 on CPU, dense mask' if small else 'Qwen3-0.6B shape, bf16, flex attention'}"
         f", lengths / {args.scale or (16 if small else 1)}, micro-batch {budget} tokens, {n_groups} group(s) per "
-        f"step, {args.iters} steps after a warm-up step, ranks {args.ranks}, torch threads per rank "
+        f"step, {args.rounds} x {args.iters} steps after a warm-up step, ranks {args.ranks}, torch threads per rank "
         f"{args.threads or torch.get_num_threads()}, {os.cpu_count()} CPUs"
     )
-    rows: dict[tuple[str, int], Timing] = {}
     c_of = {name: {k: sum(counts(g)[k] for g in batches[name]) for k in counts(batches[name][0])} for name in names}
-    if 1 in rank_counts:
-        from accelerate import Accelerator
-
-        learner = Learner(model, cfg, accelerator=Accelerator(mixed_precision=cfg.mixed_precision, cpu=not gpu))
-        for name in names:
-            dt, mem = time_layout(learner, batches[name], args.iters, gpu)
-            rows[(name, 1)] = (c_of[name], dt, model_flops(mcfg, c_of[name]) / dt / 1e12, mem)
-        del learner
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        for n in (r for r in rank_counts if r > 1):
-            for name, dt in time_ranks(n, Path(tmp), cfg, batches, args.iters, args.threads).items():
-                rows[(name, n)] = (c_of[name], dt, model_flops(mcfg, c_of[name]) / dt / 1e12, float("nan"))
-    print_timings(dict(sorted(rows.items(), key=lambda kv: (names.index(kv[0][0]), kv[0][1]))), gpu,
-                  args.peak_tflops)
+        times, mems = anyio.run(measure, args, Path(tmp), model, cfg, batches, rank_counts, gpu)
+    rows: dict[tuple[str, int], Timing] = {}
+    for (name, n), dts in times.items():
+        dt = float(np.median(dts))
+        rows[(name, n)] = (c_of[name], dt, model_flops(mcfg, c_of[name]) / dt / 1e12, mems.get((name, n), NAN))
+    print_timings(rows, gpu, args.peak_tflops)
+    if args.rounds > 1:
+        print(f"\nstep s: median of {args.rounds} rounds; each round times every rank count in turn, so a change in "
+              "the machine's load falls on all of them. Per round (s):")
+        for (name, n), dts in times.items():
+            print(f"  {name:<11} {n} rank(s): " + " ".join(f"{x:.3f}" for x in dts))
 
+
+NAN = float("nan")
+
+
+async def measure(args: argparse.Namespace, model_dir: Path, model, cfg: LearnerConfig,
+                  batches: dict[str, list[TreeGroup]], rank_counts: list[int], gpu: bool
+                  ) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], float]]:
+    """Seconds per step of each (layout, rank count), ``--rounds`` times: 1 rank in this process (what
+    ``processes = 1`` runs), N ranks through :func:`start_ranks` (all started once, idle while another is timed)."""
+    from accelerate import Accelerator
+
+    from pipeline.training.ranks import start_ranks
+
+    times: dict[tuple[str, int], list[float]] = {}
+    mems: dict[tuple[str, int], float] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        steppers: dict[int, Any] = {}
+        for n in rank_counts:
+            if n == 1:
+                learner = Learner(model, cfg, accelerator=Accelerator(mixed_precision=cfg.mixed_precision,
+                                                                      cpu=not gpu))
+
+                async def one(batch: list[TreeGroup], learner: Learner = learner) -> None:
+                    learner.train_step(batch)
+
+                steppers[1] = one
+            else:
+                log = Path(tempfile.gettempdir()) / f"bridle-bench-ranks-{os.getpid()}-{n}.log"
+                ranks = await stack.enter_async_context(
+                    start_ranks(n, log_path=log, threads=args.threads, timeout_s=3600))
+                await ranks.init(str(model_dir), cfg)
+                steppers[n] = ranks.train_step
+        for name, batch in batches.items():
+            for step in steppers.values():
+                await step(batch)  # warm-up: compilation, allocator
+            for _ in range(args.rounds):
+                for n, step in steppers.items():
+                    if gpu:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                    t0 = time.perf_counter()
+                    for _ in range(args.iters):
+                        await step(batch)
+                    if gpu:
+                        torch.cuda.synchronize()
+                        if n == 1:
+                            mems[(name, n)] = torch.cuda.max_memory_allocated() / 2**30
+                    times.setdefault((name, n), []).append((time.perf_counter() - t0) / args.iters)
+    return times, mems
 
 if __name__ == "__main__":
     main()

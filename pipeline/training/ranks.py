@@ -208,6 +208,12 @@ class Ranks:
                 for r in range(self.processes):
                     tg.start_soon(one, r)
             if failed:
+                with anyio.move_on_after(3):  # a rank failing because a peer died: say so, with the log's end
+                    while self.proc.poll() is None:  # noqa: ASYNC110 — a Popen's exit has no awaitable signal
+                        await anyio.sleep(0.1)
+                if self.proc.poll() is not None and "launcher exit code" not in str(failed[0]):
+                    raise RankError(f"{failed[0]}\n(launcher exit code {self.proc.poll()}); log {self.log_path}:\n"
+                                    f"{_tail(self.log_path)}")
                 raise failed[0]
             return replies[0]  # type: ignore[return-value]
 
