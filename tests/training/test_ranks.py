@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 import anyio
 import msgspec
@@ -155,3 +157,50 @@ def test_the_launch_command_is_one_accelerate_parses(fsdp):
         assert args.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
     else:
         assert args.multi_gpu and not args.use_fsdp
+
+
+@pytest.mark.anyio
+async def test_the_learner_actor_trains_on_two_ranks_and_a_dead_rank_fails_it(model_dir, tmp_path):
+    """``[learner] processes = 2``: the actor's step goes through the ranks (weights and checkpoint written by rank
+    0, each rank's RNG state saved); then a rank killed between steps fails the actor with a RankError, and no
+    rank is left running."""
+    from actors.learner import LearnerActor, LearnerSettings
+    from pipeline.core.config import RunSection
+    from pipeline.core.runtime import ActorContext
+    from tests.helpers.live_actor import live
+
+    run_dir = tmp_path / "run"
+    c = LearnerSettings(processes=2, threads=1, train=LearnerConfig(**BASE))
+    actor = LearnerActor("learner", c, ActorContext(
+        run_dir=run_dir, run=RunSection(model=str(model_dir), steps=3, groups_per_step=2)))
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with live(actor) as lv:
+            for g in _groups(2, seed=0):
+                await lv.inbox.send(g)
+            with anyio.fail_after(120):
+                (up,) = await lv.wait_for("updates", 1)
+            assert (up.step, up.version) == (1, 1)
+            assert (Path(up.weights_path) / "model.safetensors").is_file()
+            ckpt = run_dir / "checkpoints" / "step00001"
+            assert {"learner_state.json", "random_states_0.pkl", "random_states_1.pkl"} <= {
+                p.name for p in ckpt.iterdir()}
+            pids = list(actor.learner.pids)
+            os.kill(pids[1], signal.SIGKILL)
+            for g in _groups(2, seed=1):
+                await lv.inbox.send(msgspec.structs.replace(g, group_id=f"{g.group_id}b", issued_version=1))
+            with anyio.fail_after(90):
+                await anyio.sleep_forever()  # the actor's failure cancels this
+    errors = info.value.exceptions
+    assert len(errors) == 1 and isinstance(errors[0], RankError), errors
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:  # noqa: ASYNC110 — no signal to wait on
+        await anyio.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "a learner rank outlived the actor"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; its parent (the launcher's init) reaps it
