@@ -19,7 +19,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -284,19 +283,13 @@ def _tail(path: Path, n: int = 4000) -> str:
         return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_command(processes: int, socket_path: str, *, cuda: bool, gpus: str = "", fsdp: bool = False,
                    threads: int = 0) -> list[str]:
     """The ``accelerate launch`` command line of the ranks."""
     per_rank = threads or max(1, (os.cpu_count() or 1) // processes)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), "--monitor_interval", "0.5",
+           "--main_process_port", "0", "--monitor_interval", "0.5",  # 0: the launcher picks a free port
            "--num_cpu_threads_per_process", str(per_rank)]
     if fsdp:
         # Parameters, gradients and optimizer state sharded over the ranks, one unit per transformer layer; full
