@@ -107,6 +107,31 @@ def test_two_ranks_give_the_weights_of_one(model_dir, tmp_path):
             assert got_metrics[name]["reward_mean"] == pytest.approx(want[name]["reward_mean"])
 
 
+def test_a_checkpoint_of_two_ranks_resumes_in_one(model_dir, tmp_path):
+    """Under DDP every rank holds the whole model and optimizer, so a checkpoint written by 2 ranks resumes in 1
+    (rank 1's RNG state is simply not loaded): the next step gives the weights the 2 ranks reached."""
+    cfg = LearnerConfig(**BASE, schedule="cosine", total_steps=4)
+    steps = [_groups(3, seed=7), _groups(3, seed=8)]
+
+    async def two() -> None:
+        async with start_ranks(2, log_path=tmp_path / "ranks.log", threads=1, timeout_s=300) as ranks:
+            await ranks.init(str(model_dir), cfg)
+            await ranks.train_step(steps[0])
+            await ranks.save_checkpoint(tmp_path / "ckpt", {"steps_done": 1})
+            await ranks.train_step(steps[1])
+            await ranks.save_weights(tmp_path / "two", ranks.version)
+
+    anyio.run(two)
+    one = Learner(model_dir, cfg)
+    assert one.load_checkpoint(tmp_path / "ckpt") == {"steps_done": 1}
+    assert (one.step, one.version) == (1, 1)
+    one.train_step(steps[1])
+    want = load_file(tmp_path / "two" / "model.safetensors")
+    got = one.net.policy.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=TOL, msg=k)
+
+
 def test_a_failing_rank_fails_the_call_with_its_traceback(model_dir, tmp_path):
     bad = _groups(2, seed=1)
     # group 1's tree points at a rollout slot it does not have: whichever rank holds it raises
