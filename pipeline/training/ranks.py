@@ -162,7 +162,8 @@ class Ranks:
         return len(self.streams)
 
     async def init(self, model: Any, config: LearnerConfig, model_path: str | os.PathLike[str] | None = None) -> None:
-        """``model``: a HF folder (each rank loads it; a module cannot cross processes)."""
+        """``model``: a HF folder (each rank loads it; a module cannot cross processes), which also holds the
+        tokenizer files: ``model_path`` is only :meth:`InProcess.init`'s."""
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"learner ranks load the model from a folder; got a {type(model).__name__}")
         await self._call(Init(model=str(model), config=config), "init")

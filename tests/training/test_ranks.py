@@ -72,8 +72,16 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def test_two_ranks_give_the_weights_of_one(model_dir, tmp_path):
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The ranks run 1 thread each; the 1-rank reference (in this process) too, on a shared, busy CPU
+    n = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_two_ranks_give_the_weights_of_one(model_dir, tmp_path):
     want, got_metrics = {}, {}
     for name, (kw, n) in CASES.items():
         cfg = LearnerConfig(**{**BASE, **kw})
