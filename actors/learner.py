@@ -10,7 +10,9 @@ cold start).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +22,7 @@ import msgspec
 import numpy as np
 
 from pipeline.core.config import NonNegInt, Port, PosFloat, PosInt, RunSection, Section
+from pipeline.core.runfiles import run_tag, safe_name
 from pipeline.core.runtime import Actor
 from pipeline.messages import (
     EngineReady,
@@ -34,10 +37,10 @@ from pipeline.messages import (
 from pipeline.models.small import VOCAB_FILE, load_vocab_table
 from pipeline.serving.engine import EngineError
 from pipeline.serving.weight_sync import WeightPusher
-from pipeline.training.learner import Learner
 from pipeline.training.learner_config import LearnerConfig
 from pipeline.training.loop import ColdStartReady, LearnerLoop, StepReady, sft_plan
 from pipeline.training.policy import load_policy
+from pipeline.training.ranks import InProcess, Ranks, start_ranks
 
 
 class LearnerSettings(Section):
@@ -63,6 +66,12 @@ class LearnerSettings(Section):
     # the group's rendezvous, and each broadcast, fail after this; an SGLang server applies an update only once its
     # running requests are done (unless paused), so it must cover the longest generation, as [proxy].update_timeout_s
     sync_timeout_s: PosFloat = 600.0
+    # Learner processes. 1: a thread of this process. N > 1: N ranks under Accelerate's launcher, each training its
+    # share of a step's groups (whole trees, balanced by tokens), gradients all-reduced (docs/learner.md, "Ranks").
+    processes: PosInt = 1
+    gpus: str = ""  # CUDA device ids of the ranks ("0,1"); empty: every visible one. Without CUDA: the CPU
+    fsdp: bool = False  # shard parameters, gradients and optimizer state over the ranks (Accelerate's FSDP plugin)
+    rank_timeout_s: PosFloat = 1800.0  # longest a rank may take for one command (a step, a save) before the run fails
     train: LearnerConfig = msgspec.field(default_factory=LearnerConfig)  # the RL stage
     # The SFT stage has its own optimizer (and usually a larger learning rate); RL then starts from the SFT
     # weights with a fresh optimizer, so no SFT momentum leaks into the policy-gradient updates.
@@ -78,6 +87,10 @@ class LearnerSettings(Section):
                 out == "engines" and dst == name for _, out, dst in exp.graph.parsed_edges()):
             raise ConfigError(f'{exp.source}: [{name}].weight_sync = "distributed" needs the engine workers: add '
                               f'"<proxy>.engines -> {name}" to [graph].edges (docs/serving.md, "Weight sync")')
+        if self.weight_sync == "distributed" and self.processes > 1:
+            raise ConfigError(f'{exp.source}: [{name}].weight_sync = "distributed" with processes = '
+                              f'{self.processes}: the broadcast is sent from this process, which holds no weights '
+                              'when the learner runs as ranks; use weight_sync = "disk" with ranks for now')
 
     def rl_stage(self, run: RunSection) -> LearnerConfig:
         """``[learner.train]`` with what it leaves to ``[run]``: the decay of a linear/cosine schedule spans every
@@ -91,22 +104,37 @@ class LearnerSettings(Section):
 class LearnerActor(Actor[LearnerSettings]):
     Config = LearnerSettings
     outputs = ("updates", "metrics")
-    learner: Learner | None = None
+    learner: InProcess | Ranks | None = None
     loop: LearnerLoop | None = None
     pusher: WeightPusher | None = None  # set while weight sync without the disk works
 
     async def run(self) -> None:
         try:
-            await self._run()
+            async with self._learner() as learner:
+                await self._run(learner)
         finally:
             with anyio.CancelScope(shield=True):
                 await self._stop_pushing()
 
-    async def _run(self) -> None:
-        c, run = self.config, self.ctx.run
+    @contextlib.asynccontextmanager
+    async def _learner(self) -> AsyncIterator[InProcess | Ranks]:
+        """This process (``processes = 1``) or N ranks, started now so they are up by the first batch."""
+        c = self.config
         assert self.run_dir is not None
+        if c.processes == 1:
+            yield InProcess()
+            return
+        # The socket's folder is named by run and actor, like the proxy's: a restart removes what a crash left.
+        prefix = f"bridle.sock-{run_tag(self.run_dir)}_{safe_name(self.name, 16)}_"
+        async with start_ranks(c.processes, log_path=self.run_dir / "learner_ranks.log", gpus=c.gpus, fsdp=c.fsdp,
+                               threads=c.threads, timeout_s=c.rank_timeout_s, socket_prefix=prefix) as ranks:
+            yield ranks
+
+    async def _run(self, learner: InProcess | Ranks) -> None:
+        c, run = self.config, self.ctx.run
         self.model_dir = Path(run.model)
-        if c.threads:
+        self.learner = learner
+        if c.threads and c.processes == 1:
             import torch  # process-wide; the learner is this process's only torch user
 
             torch.set_num_threads(c.threads)
@@ -115,31 +143,35 @@ class LearnerActor(Actor[LearnerSettings]):
             # Model, optimizer, schedule, RNG, step and version from the checkpoint; the engine gets the weights
             # at once (an update that trains nothing: empty batch hash). Groups of unfinished steps are re-issued.
             loop = LearnerLoop.resumed(run.steps, run.groups_per_step, c.checkpoint_every, self.resume.steps_done)
-            self.learner = await anyio.to_thread.run_sync(Learner, str(self.model_dir), c.rl_stage(run))
-            await anyio.to_thread.run_sync(self.learner.load_checkpoint, self.resume.checkpoint)
+            await learner.init(str(self.model_dir), c.rl_stage(run))
+            await learner.load_checkpoint(self.resume.checkpoint)
             self.log.info("resumed", checkpoint=str(self.resume.checkpoint), steps_done=loop.steps_done)
             await self._publish(loop.steps_done, {}, None)
         else:
             loop = LearnerLoop(run.steps, run.groups_per_step, c.checkpoint_every)
-            # Weights load now, while the first rollouts run; the optimizer is chosen by the first message: a
-            # demonstration pack (they all come before any training group) starts the SFT stage.
-            policy = await anyio.to_thread.run_sync(load_policy, self.model_dir, c.train)
+            # Weights load now, while the first rollouts run (ranks load their own); the optimizer is chosen by
+            # the first message: a demonstration pack (they all come before any training group) starts SFT.
+            policy = (await anyio.to_thread.run_sync(load_policy, self.model_dir, c.train) if c.processes == 1
+                      else str(self.model_dir))
         self.loop = loop
-        self.log.info("learner ready", model=str(self.model_dir), reduced_vocab=self.vocab is not None)
+        self.log.info("learner ready", model=str(self.model_dir), reduced_vocab=self.vocab is not None,
+                      processes=c.processes)
         if loop.finished:
             return
+        started = self.resume is not None
         async for msg in self.messages():
             if isinstance(msg, EngineReady):
                 await self._join(msg)
             if not isinstance(msg, (TreeGroup, GroupDropped)):
                 continue
-            if self.learner is None:
+            if not started:
+                started = True
                 stage = c.sft if msg.purpose == "sft" else c.rl_stage(run)
-                self.learner = await anyio.to_thread.run_sync(
-                    partial(Learner, policy, stage, model_path=self.model_dir))
+                await learner.init(policy, stage, model_path=self.model_dir)
+                del policy  # the Learner holds it now
             if isinstance(msg, GroupDropped) and msg.purpose == "sft":
                 self.log.warning("demonstration pack dropped", group=msg.group_id, reason=msg.reason)
-            todo = loop.receive(self._compact(msg), version=self.learner.version,
+            todo = loop.receive(self._compact(msg), version=learner.version,
                                 max_staleness=self.ctx.run.max_staleness)
             if isinstance(todo, ColdStartReady):
                 await self._cold_start(todo)
@@ -166,13 +198,13 @@ class LearnerActor(Actor[LearnerSettings]):
                       epochs=c.sft_epochs)
         plan = sft_plan(groups, epochs=c.sft_epochs, batch_groups=c.sft_batch_groups, seed=c.train.seed)
         for update in plan:
-            m = await anyio.to_thread.run_sync(self.learner.sft_step, update.packs, abandon_on_cancel=True)
+            m = await self.learner.sft_step(update.packs)
             # sft_updates: the plan's length, for the monitor's progress
             await self._metric(0, {**m, "sft_epoch": update.epoch, "sft_updates": len(plan)}, phase="sft")
         path = await self._publish(0, {"sft_demos": demos}, groups, save=True)  # RL starts from this folder
         assert path is not None
         cfg = msgspec.structs.replace(c.rl_stage(self.ctx.run), initial_version=self.learner.version)
-        self.learner = await anyio.to_thread.run_sync(Learner, str(path), cfg)
+        await self.learner.init(str(path), cfg)
 
     async def _rl_step(self, ready: StepReady) -> None:
         for gid, lag in ready.stale:
@@ -187,8 +219,7 @@ class LearnerActor(Actor[LearnerSettings]):
                                                      batch_hash=packed_hash([])))
             return
         rewards = [r.reward for g in ready.batch for r in g.rollouts]
-        # abandon_on_cancel: Ctrl-C must not wait for a long step; the step's result is simply never published
-        m = await anyio.to_thread.run_sync(self.learner.train_step, ready.batch, abandon_on_cancel=True)
+        m = await self.learner.train_step(ready.batch)
         m.update({"reward": float(np.mean(rewards)), "pass_rate": float(np.mean([r >= 1.0 for r in rewards])),
                   "groups": len(ready.batch)})
         if ready.checkpoint:
@@ -211,7 +242,7 @@ class LearnerActor(Actor[LearnerSettings]):
             await self.send("updates", announce(pushed=True))
             return None
         path = self.run_dir / "weights" / f"v{version:05d}"
-        await anyio.to_thread.run_sync(self.learner.save_weights, path, version)
+        await self.learner.save_weights(path, version)
         if self.vocab is not None:
             shutil.copy2(self.model_dir / VOCAB_FILE, path / VOCAB_FILE)
         self._prune()
@@ -251,7 +282,7 @@ class LearnerActor(Actor[LearnerSettings]):
         assert self.pusher is not None
         t0 = anyio.current_time()
         try:
-            tensors = await anyio.to_thread.run_sync(self.learner.policy_state)
+            tensors = await self.learner.policy_state()
             # Shielded, as the proxy's disk update is: a stop mid-push must not leave the workers on different
             # versions. Bounded: the broadcast's own timeout, plus the HTTP calls around it.
             with anyio.CancelScope(shield=True), anyio.fail_after(self.config.sync_timeout_s + 60):
@@ -284,7 +315,7 @@ class LearnerActor(Actor[LearnerSettings]):
     async def _checkpoint(self, step: int) -> None:
         assert self.run_dir is not None
         path = self.run_dir / "checkpoints" / f"step{step:05d}"
-        await anyio.to_thread.run_sync(self.learner.save_checkpoint, path, {"steps_done": step})
+        await self.learner.save_checkpoint(path, {"steps_done": step})
         self.log.info("checkpoint saved", path=str(path))
 
     async def _metric(self, step: int, values: dict[str, Any], phase: str) -> None:

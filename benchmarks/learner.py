@@ -15,16 +15,29 @@ GPU (default when CUDA is present): Qwen3-0.6B shape with random weights, bf16, 
 ratios to the per-trajectory layout and MFU. ``--small`` (default without CUDA): a tiny Qwen3 on the CPU with the
 dense mask at 1/16 of the lengths, plus the token counts of the full shape.
 
-    python benchmarks/learner.py            # GPU
-    python benchmarks/learner.py --small    # CPU
+With ``--ranks 1,2`` each layout is also trained by learner ranks (``[learner] processes``: Accelerate's launcher,
+DDP; gloo on a CPU), on a batch of ``--groups`` groups (default 4 then: whole groups are what ranks share), each
+rank with ``--threads`` torch threads; the step time is the actor's view (the batch sent over the ranks' channel,
+every rank's reply back).
+
+    python benchmarks/learner.py                          # GPU
+    python benchmarks/learner.py --small                  # CPU
+    python benchmarks/learner.py --small --ranks 1,2      # CPU, 1 vs 2 learner ranks
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import anyio
+import msgspec
 import numpy as np
 import torch
 
@@ -216,6 +229,10 @@ def parse_args(cuda: bool) -> argparse.Namespace:
     ap.add_argument("--layouts", default="tree,trajectory,call")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing in the transformer")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
+    ap.add_argument("--ranks", default="1", help="learner processes to compare, e.g. 1,2")
+    ap.add_argument("--groups", type=int, default=None, help="groups per step (default 1; 4 with --ranks)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
+    ap.add_argument("--rounds", type=int, default=1, help="timing rounds (median), rank counts interleaved")
     return ap.parse_args()
 
 
@@ -235,36 +252,24 @@ def print_counts(full_groups: dict[str, TreeGroup]) -> None:
         )
 
 
-def time_layout(learner: Learner, g: TreeGroup, iters: int, cuda: bool) -> tuple[float, float]:
-    """(seconds per train step, mean of ``iters`` after a warm-up one; peak GiB allocated on the GPU or NaN)."""
-    learner.train_step([g])  # warm-up: compilation, allocator
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        learner.train_step([g])
-    if cuda:
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / iters
-    return dt, torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-
-
 Timing = tuple[dict[str, int], float, float, float]  # counts, step seconds, model TFLOP/s, peak GiB
 
 
-def print_timings(rows: dict[str, Timing], cuda: bool, peak_tflops: float) -> None:
+def print_timings(rows: dict[tuple[str, int], Timing], cuda: bool, peak_tflops: float) -> None:
     print(
-        f"\n{'layout':<11} {'tokens':>8} {'step s':>8} {'x traj':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
-        f"{'peak GiB':>8}"
+        f"\n{'layout':<11} {'ranks':>5} {'tokens':>8} {'step s':>8} {'x traj':>7} {'x 1 rank':>8} {'tok/s':>9} "
+        f"{'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}"
     )
-    ref = rows.get("trajectory", next(iter(rows.values())))[1]
-    for name, (c, dt, tflops, mem) in rows.items():
+    first = next(iter(rows))[1]
+    ref = rows.get(("trajectory", first), next(iter(rows.values())))[1]
+    for (name, n), (c, dt, tflops, mem) in rows.items():
         mfu = f"{100 * tflops / peak_tflops:.1f}%" if cuda else "-"
         tf, gib = (f"{tflops:.1f}", f"{mem:.1f}") if cuda else ("-", "-")
+        one = rows.get((name, 1))
+        speedup = f"{one[1] / dt:.2f}" if one else "-"
         print(
-            f"{name:<11} {c['tokens']:>8} {dt:>8.3f} {dt / ref:>7.2f} {c['tokens'] / dt:>9.0f} {tf:>8} {mfu:>6} "
-            f"{gib:>8}"
+            f"{name:<11} {n:>5} {c['tokens']:>8} {dt:>8.3f} {dt / ref:>7.2f} {speedup:>8} {c['tokens'] / dt:>9.0f} "
+            f"{tf:>8} {mfu:>6} {gib:>8}"
         )
     if cuda:
         print(
@@ -289,7 +294,14 @@ def main() -> None:
     full_groups = layouts(full, mcfg.vocab_size)
     print_counts(full_groups)
 
-    groups = full_groups if run_shape == full else layouts(run_shape, mcfg.vocab_size)
+    rank_counts = [int(x) for x in args.ranks.split(",")]
+    n_groups = args.groups or (4 if rank_counts != [1] else 1)
+    names = args.layouts.split(",")
+    # n_groups groups per step: the layout's group and copies of it with other tokens (ranks share whole groups)
+    variants = [full_groups if run_shape == full and k == 0 else layouts(run_shape, mcfg.vocab_size, seed=k)
+                for k in range(n_groups)]
+    batches = {name: [msgspec.structs.replace(v[name], group_id=f"{name}-{k}") for k, v in enumerate(variants)]
+               for name in names}
     gpu = torch.cuda.is_available() and not small
     cfg = LearnerConfig(
         lr=1e-6,
@@ -299,22 +311,78 @@ def main() -> None:
         param_dtype="bfloat16" if gpu else "float32",
         gradient_checkpointing=args.grad_ckpt,
     )
-    from accelerate import Accelerator
-
-    learner = Learner(model, cfg, accelerator=Accelerator(mixed_precision=cfg.mixed_precision, cpu=not gpu))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(
         f"\ntimed run: {'small Qwen3 on CPU, dense mask' if small else 'Qwen3-0.6B shape, bf16, flex attention'}"
-        f", lengths / {args.scale or (16 if small else 1)}, micro-batch {budget} tokens, {args.iters} steps after "
-        "a warm-up step"
+        f", lengths / {args.scale or (16 if small else 1)}, micro-batch {budget} tokens, {n_groups} group(s) per "
+        f"step, {args.rounds} x {args.iters} steps after a warm-up step, ranks {args.ranks}, torch threads per rank "
+        f"{args.threads or torch.get_num_threads()}, {os.cpu_count()} CPUs"
     )
-    rows: dict[str, Timing] = {}
-    for name in args.layouts.split(","):
-        g = groups[name]
-        dt, mem = time_layout(learner, g, args.iters, gpu)
-        c = counts(g)
-        rows[name] = (c, dt, model_flops(mcfg, c) / dt / 1e12, mem)
+    c_of = {name: {k: sum(counts(g)[k] for g in batches[name]) for k in counts(batches[name][0])} for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        times, mems = anyio.run(measure, args, Path(tmp), model, cfg, batches, rank_counts, gpu)
+    rows: dict[tuple[str, int], Timing] = {}
+    for (name, n), dts in times.items():
+        dt = float(np.median(dts))
+        rows[(name, n)] = (c_of[name], dt, model_flops(mcfg, c_of[name]) / dt / 1e12, mems.get((name, n), NAN))
     print_timings(rows, gpu, args.peak_tflops)
+    if args.rounds > 1:
+        print(f"\nstep s: median of {args.rounds} rounds; each round times every rank count in turn, so a change in "
+              "the machine's load falls on all of them. Per round (s):")
+        for (name, n), dts in times.items():
+            print(f"  {name:<11} {n} rank(s): " + " ".join(f"{x:.3f}" for x in dts))
 
+
+NAN = float("nan")
+
+
+async def measure(args: argparse.Namespace, model_dir: Path, model, cfg: LearnerConfig,
+                  batches: dict[str, list[TreeGroup]], rank_counts: list[int], gpu: bool
+                  ) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], float]]:
+    """Seconds per step of each (layout, rank count), ``--rounds`` times: 1 rank in this process (what
+    ``processes = 1`` runs), N ranks through :func:`start_ranks` (all started once, idle while another is timed)."""
+    from accelerate import Accelerator
+
+    from pipeline.training.ranks import start_ranks
+
+    times: dict[tuple[str, int], list[float]] = {}
+    mems: dict[tuple[str, int], float] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        steppers: dict[int, Any] = {}
+        for n in rank_counts:
+            if n == 1:
+                learner = Learner(model, cfg, accelerator=Accelerator(mixed_precision=cfg.mixed_precision,
+                                                                      cpu=not gpu))
+
+                async def one(batch: list[TreeGroup], learner: Learner = learner) -> None:
+                    learner.train_step(batch)
+
+                steppers[1] = one
+            else:
+                log = Path(tempfile.gettempdir()) / f"bridle-bench-ranks-{os.getpid()}-{n}.log"
+                ranks = await stack.enter_async_context(
+                    start_ranks(n, log_path=log, threads=args.threads, timeout_s=3600))
+                await ranks.init(str(model_dir), cfg)
+                steppers[n] = ranks.train_step
+        for name, batch in batches.items():
+            for step in steppers.values():
+                await step(batch)  # warm-up: compilation, allocator
+            for _ in range(args.rounds):
+                for n, step in steppers.items():
+                    if gpu:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                    t0 = time.perf_counter()
+                    for _ in range(args.iters):
+                        await step(batch)
+                    if gpu:
+                        torch.cuda.synchronize()
+                        if n == 1:
+                            mems[(name, n)] = torch.cuda.max_memory_allocated() / 2**30
+                    times.setdefault((name, n), []).append((time.perf_counter() - t0) / args.iters)
+    return times, mems
 
 if __name__ == "__main__":
     main()

@@ -51,6 +51,7 @@ class MicroBatch:
     logp_rollout: np.ndarray
     temperature: np.ndarray  # per target
     old: dict[str, torch.Tensor] = field(default_factory=dict)  # logp / value under pi_old, logp under pi_ref
+    pad: bool = False  # see :func:`padding`
 
 
 def prepare(group: TreeGroup, index: int, cfg: ScoreRules, sft: bool = False) -> Tree:
@@ -172,3 +173,35 @@ def _reference_inputs(
         "rows": torch.as_tensor(row_of[targets], device=dev),
         "targets": tgt_tokens,
     }
+
+
+def shares(sizes: list[int], ranks: int) -> list[list[int]]:
+    """Indices of ``sizes`` per rank: whole trees, balanced by tokens. Greedy largest-first (ties: the lower index
+    first, the lower rank); each share keeps the batch's order, so every rank, given the same batch, computes the
+    same split without talking to the others."""
+    load = [0] * ranks
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        out[r].append(i)
+        load[r] += sizes[i]
+    return [sorted(s) for s in out]
+
+
+def padding() -> MicroBatch:
+    """A two-token micro-batch with one target of weight 0: a rank with fewer micro-batches in an update than the
+    others runs these, so every rank makes the same number of forward and backward calls (DDP all-reduces on the
+    last backward; FSDP gathers parameters in every forward) while adding nothing to the loss or its gradient."""
+    forest = ta.TreeArrays(
+        tokens=np.zeros(2, np.int64),
+        positions=np.arange(2, dtype=np.int64),
+        subtree_end=np.full(2, 2, np.int64),
+        pred=np.array([-1, 0], np.int64),
+        trainable=np.array([False, True]),
+        logprobs=np.zeros(2, np.float32),
+        rollout=np.zeros(2, np.int64),
+        segment=np.zeros(2, np.int64),
+    )
+    one = np.ones(1, np.float32)
+    return MicroBatch(forest=forest, targets=np.array([1], np.int64), score=0 * one, weight=0 * one,
+                      logp_rollout=0 * one, temperature=one, pad=True)

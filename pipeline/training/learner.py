@@ -35,11 +35,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from torch import nn
 
 from pipeline.core.logs import get_logger
-from pipeline.messages import TreeGroup
+from pipeline.messages import TreeGroup, ids
 from pipeline.training import advantages as adv
 from pipeline.training import batches, losses
 from pipeline.training import tree_attention as ta
@@ -85,7 +85,10 @@ class Learner:
             mp = cfg.mixed_precision
             if mp == "auto":
                 mp = "bf16" if torch.cuda.is_available() else "no"
-            accelerator = Accelerator(mixed_precision=mp)
+            # Unused parameters (the value head under GRPO) would stall DDP's all-reduce; this only matters (and
+            # only costs) under several processes.
+            accelerator = Accelerator(mixed_precision=mp, kwargs_handlers=[
+                DistributedDataParallelKwargs(find_unused_parameters=True)])
         self.accelerator = acc = accelerator
         set_seed(cfg.seed)
         self.attention = cfg.attention
@@ -123,30 +126,38 @@ class Learner:
 
     # ----------------------------------------------------------------------------------------- public API
     def train_step(self, groups: list[TreeGroup]) -> dict[str, float]:
-        """One RL step over a batch of groups; returns metrics. Bumps ``version`` unless in value pre-training."""
+        """One RL step over a batch of groups; returns metrics. Bumps ``version`` unless in value pre-training.
+
+        Under several processes every rank is given the same batch and trains its share (:meth:`_share`); the
+        metrics returned are the whole batch's, on every rank."""
         cfg = self.config
         t0 = time.perf_counter()
         if not groups:
             raise ValueError("Learner.train_step needs at least one TreeGroup")
         value_phase = cfg.advantage == "ppo" and self.step < cfg.value_warmup_steps
-        trees = [batches.prepare(g, i, self.config) for i, g in enumerate(groups)]
-        splits = [list(s) for s in np.array_split(np.arange(len(trees)), min(cfg.minibatches, len(trees)))]
+        everything = np.arange(len(groups))
+        splits = self._share(groups, [list(s) for s in np.array_split(everything, min(cfg.minibatches, len(groups)))])
+        trees = {i: batches.prepare(groups[i], i, self.config) for s in splits for i in s}
         micros = [batches.micro_batches([trees[i] for i in s], cfg.micro_batch_tokens) for s in splits]
+        micros, skipped = self._even(micros)
         single_update = cfg.epochs * len(splits) == 1
         for mbs in micros:
             self._fill_old(mbs, need_logp=not single_update)
-        sums: dict[str, float] = {}
+        sums: dict[str, float] = {"tree_targets": float(sum(len(t.targets) for t in trees.values())),
+                                  "reward_sum": float(sum(t.reward_mean for t in trees.values()))}
         grad_norms = []
         for _ in range(cfg.epochs):
             for mbs in micros:
                 _merge(sums, self._accumulate(mbs, value_phase=value_phase))
                 grad_norms.append(self._optimizer_step())
+        sums["tokens"] = sums.get("tokens", 0.0) + skipped * cfg.epochs
+        sums = self._global(sums)
         self.step += 1
         if not value_phase:
             self.version += 1
         metrics = self._finish_metrics(sums, grad_norms, t0)
-        metrics["trainable_tokens"] = float(sum(len(t.targets) for t in trees))
-        metrics["reward_mean"] = float(np.mean([t.reward_mean for t in trees])) if trees else 0.0
+        metrics["trainable_tokens"] = sums["tree_targets"]
+        metrics["reward_mean"] = sums["reward_sum"] / len(groups)
         metrics["value_phase"] = float(value_phase)
         _log().info("train_step", **{k: round(v, 6) for k, v in metrics.items()})
         return metrics
@@ -156,9 +167,13 @@ class Learner:
         if not groups:
             raise ValueError("Learner.sft_step needs at least one TreeGroup")
         t0 = time.perf_counter()
-        trees = [batches.prepare(g, i, self.config, sft=True) for i, g in enumerate(groups)]
-        sums = self._accumulate(batches.micro_batches(trees, self.config.micro_batch_tokens), sft=True)
+        (share,) = self._share(groups, [list(range(len(groups)))])
+        trees = [batches.prepare(groups[i], i, self.config, sft=True) for i in share]
+        (mbs,), skipped = self._even([batches.micro_batches(trees, self.config.micro_batch_tokens)])
+        sums = self._accumulate(mbs, sft=True)
+        sums["tokens"] += skipped
         grad_norm = self._optimizer_step()
+        sums = self._global(sums)
         self.step += 1
         self.version += 1
         metrics = self._finish_metrics(sums, [grad_norm], t0)
@@ -268,13 +283,52 @@ class Learner:
                     "--set learner.train.kl_coef=0, or start a new run")
             from safetensors.torch import load_model
 
+            dev = self.accelerator.device  # "cpu:0" on a gloo rank, which safetensors does not take
             load_model(self.reference, str(src.parent / state["reference"] / REFERENCE_FILE),
-                       device=str(self.accelerator.device))
+                       device="cpu" if dev.type == "cpu" else str(dev))
         _log().info("checkpoint_loaded", path=str(src), step=self.step, version=self.version,
                     reference=state.get("reference", ""))
         return dict(state["extra"])
 
     # ------------------------------------------------------------------------------------------ internals
+    def _share(self, groups: list[TreeGroup], splits: list[list[int]]) -> list[list[int]]:
+        """This rank's groups of each minibatch: whole trees, balanced by tokens (:func:`batches.shares`). The
+        minibatches themselves are cut from the whole batch first, so they are the same whatever the ranks."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return splits
+        out = []
+        for s in splits:
+            mine = batches.shares([len(ids(groups[i].packed.tokens)) for i in s], acc.num_processes)
+            out.append([s[j] for j in mine[acc.process_index]])
+        return out
+
+    def _even(self, micros: list[list[MicroBatch]]) -> tuple[list[list[MicroBatch]], int]:
+        """Under several processes: every rank gets as many micro-batches per update as the busiest (padded with
+        :func:`batches.padding`), so the collectives of the forward and backward calls pair up. A micro-batch
+        without a trainable token is left out (its loss has no graph to run a backward through; it adds nothing);
+        returns the micro-batches and the tokens left out, which the metrics still count."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return micros, 0
+        kept = [[mb for mb in mbs if len(mb.targets)] for mbs in micros]
+        skipped = sum(len(mb.forest) for mbs in micros for mb in mbs if not len(mb.targets))
+        counts = torch.tensor([len(mbs) for mbs in kept], device=acc.device)
+        most = acc.gather(counts).reshape(acc.num_processes, -1).amax(0).tolist()
+        return [mbs + [batches.padding() for _ in range(int(m) - len(mbs))] for mbs, m in zip(kept, most,
+                                                                                              strict=True)], skipped
+
+    def _global(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metric sums of all ranks, merged (every rank returns the same metrics)."""
+        if self.accelerator.num_processes == 1:
+            return sums
+        from accelerate.utils import gather_object
+
+        merged: dict[str, float] = {}
+        for part in gather_object([sums]):
+            _merge(merged, part)
+        return merged
+
     def _policy(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.net).policy
 
@@ -347,7 +401,7 @@ class Learner:
         cfg, acc = self.config, self.accelerator
         ppo = cfg.advantage == "ppo" and not sft
         dev = acc.device
-        local = sum(len(mb.targets) for mb in mbs)
+        local = sum(len(mb.targets) for mb in mbs if not mb.pad)
         local_weight = float(sum(mb.weight.sum(dtype=np.float64) for mb in mbs))
         # DDP averages gradients over processes; scaling by processes / global weight keeps a global mean.
         total = acc.reduce(torch.tensor(local_weight, device=dev), reduction="sum").item()
@@ -362,11 +416,14 @@ class Learner:
                 out = self._forward(mb, values=value_mode)
                 logp = out["logp"]
                 parts = self._loss_parts(mb, out, logp, ppo=ppo, value_phase=value_phase, sft=sft)
-                loss = parts.pop("loss_sum") * scale
+                loss = parts.pop("loss_sum") * (0.0 if mb.pad else scale)
                 if loss.requires_grad:  # false only for a micro-batch without a single trainable token
                     acc.backward(loss)
+            if mb.pad:
+                continue
             sums["tokens"] += len(mb.forest)
-            sums["loss"] += float(loss.detach()) / scale / max(local_weight, 1e-12)
+            # this rank's part of the update's global weighted mean: the parts of all ranks add up to it
+            sums["loss"] += float(loss.detach()) / scale / max(total, 1e-12)
             _merge(sums, parts)
         return sums
 

@@ -224,3 +224,10 @@ def test_run_reload_is_offered_to_every_actor(tmp_path):
     assert d.changes == {"run": {"max_staleness": 3}} and not d.refused
     d = cfg.diff(old, load(tmp_path, base + "steps = 4\n"))
     assert d.refused == ["[run].steps"]
+
+
+def test_distributed_weight_sync_with_learner_ranks_is_refused():
+    quickstart(["learner.processes=2"])  # ranks with the disk path
+    with pytest.raises(cfg.ConfigError, match=r'weight_sync = "distributed" with processes = 2: .*use weight_sync = '
+                                              r'"disk" with ranks'):
+        quickstart(['learner.weight_sync="distributed"', "learner.processes=2"])
