@@ -26,6 +26,7 @@ from pipeline.serving.sglang_client import HttpEngine
 from pipeline.serving.weight_sync import WeightPusher, manifest
 from pipeline.training.learner import Learner
 from pipeline.training.learner_config import LearnerConfig
+from pipeline.training.ranks import InProcess
 
 pytestmark = pytest.mark.slow  # starts engine processes
 
@@ -150,7 +151,9 @@ def test_the_learner_pushes_and_falls_back_to_the_disk(engines, models, tmp_path
     learner = Learner(models[1], LearnerConfig(initial_version=20))
     actor = LearnerActor("learner", LearnerSettings(weight_sync="distributed", sync_timeout_s=60),
                          ActorContext(run_dir=tmp_path))
-    actor.learner, actor.model_dir, actor.vocab = learner, Path(models[1]), load_vocab_table(Path(models[1]))
+    actor.learner = InProcess()
+    actor.learner.learner = learner
+    actor.model_dir, actor.vocab = Path(models[1]), load_vocab_table(Path(models[1]))
     actor.out = {name: Output(f"learner.{name}", None) for name in ("updates", "metrics")}
     send, updates = anyio.create_memory_object_stream(10)
     actor.out["updates"].connect(send)
