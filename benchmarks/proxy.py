@@ -504,7 +504,9 @@ def bench_workers(args: argparse.Namespace) -> int:
                 c = row["cpu_ms"]
                 loops = [c["client"], c["engine"], *([relay_ms] if n > 1 else []), *[worker_ms / n] * n]
                 row["model_here"] = 1e3 * min(cores() / (c["client"] + c["engine"] + c["proxy"]), 1 / max(loops))
-                row["proxy_core_each"] = 1e3 * min(n / worker_ms, 1 / relay_ms if relay_ms else float("inf"))
+                # a loop below the CPU clock's 10 ms tick over the whole level reads 0: no bound from it
+                row["proxy_core_each"] = 1e3 * min(n / worker_ms if worker_ms else float("inf"),
+                                                   1 / relay_ms if relay_ms else float("inf"))
                 rows.append(row)
                 print(f"  workers {n} @ {level}: {row['rps']:.0f} req/s, p50 {row['p50']:.2f} ms, "
                       f"errors {r['errors']}", flush=True)
