@@ -217,6 +217,7 @@ class LearnerActor(Actor[LearnerSettings]):
             await self._metric(ready.step, {"groups": 0, "stale_groups": len(ready.stale)}, phase="rl")
             await self.send("updates", PolicyUpdated(version=self.learner.version, step=ready.step,
                                                      batch_hash=packed_hash([])))
+            await self._keep_final(ready.step)
             return
         rewards = [r.reward for g in ready.batch for r in g.rollouts]
         m = await self.learner.train_step(ready.batch)
@@ -226,6 +227,17 @@ class LearnerActor(Actor[LearnerSettings]):
             await self._checkpoint(ready.step)
         await self._metric(ready.step, m, phase="rl")
         await self._publish(ready.step, m, ready.batch)
+        await self._keep_final(ready.step)
+
+    async def _keep_final(self, step: int) -> None:
+        """After the last step the final policy is a folder of ``weights/`` (what ``--eval --checkpoint`` reads),
+        also when its update was pushed without the disk."""
+        assert self.run_dir is not None
+        path = self.run_dir / "weights" / f"v{self.learner.version:05d}"
+        if step < self.ctx.run.steps or path.is_dir():
+            return
+        await self._write_weights(path)
+        self.log.info("final policy written", path=str(path), version=self.learner.version)
 
     async def _publish(self, step: int, metrics: dict[str, Any], batch: list[TreeGroup] | None, *,
                        save: bool = False) -> Path | None:
@@ -242,12 +254,15 @@ class LearnerActor(Actor[LearnerSettings]):
             await self.send("updates", announce(pushed=True))
             return None
         path = self.run_dir / "weights" / f"v{version:05d}"
-        await self.learner.save_weights(path, version)
+        await self._write_weights(path)
+        await self.send("updates", announce(weights_path=str(path)))
+        return path
+
+    async def _write_weights(self, path: Path) -> None:
+        await self.learner.save_weights(path, self.learner.version)
         if self.vocab is not None:
             shutil.copy2(self.model_dir / VOCAB_FILE, path / VOCAB_FILE)
         self._prune()
-        await self.send("updates", announce(weights_path=str(path)))
-        return path
 
     async def _join(self, msg: EngineReady) -> None:
         """Set up the weight update group with the workers ``msg`` names; on failure, stay on the disk path."""

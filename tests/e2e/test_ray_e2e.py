@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 @pytest.fixture(scope="module")
 def cluster(images):  # noqa: F811
-    require(importlib.util.find_spec("ray") is not None, "Ray is not installed (pip install 'bridle[ray]')")
+    require(importlib.util.find_spec("ray") is not None, "Ray is not installed (pip install -e '.[ray]')")
     from tests.helpers.raycluster import start_cluster
 
     c = start_cluster(slots=2)

@@ -41,8 +41,11 @@ def test_quickstart_with_distributed_weight_sync(tmp_path):
     updates = [e.msg for e in events if isinstance(e.msg, PolicyUpdated)]
     assert [(u.step, bool(u.weights_path), u.pushed) for u in updates] == [(0, True, False), (1, False, True),
                                                                             (2, False, True)]
-    # only the cold start's folder was written; checkpoints go to disk as before
-    assert [p.name for p in (run_dir / "weights").glob("v*")] == [Path(updates[0].weights_path).name]
+    # written: the cold start's folder and, once the run is done, the final policy (for --eval --checkpoint);
+    # checkpoints go to disk as before
+    assert sorted(p.name for p in (run_dir / "weights").glob("v*")) == [Path(updates[0].weights_path).name,
+                                                                        f"v{updates[-1].version:05d}"]
+    assert (run_dir / "weights" / f"v{updates[-1].version:05d}" / "config.json").is_file()
     assert list((run_dir / "checkpoints").glob("step*"))
     # the rollouts of step 2 (issued once step 1 was pushed: max_staleness 0) were sampled by the pushed version
     pushed = updates[1].version

@@ -92,7 +92,7 @@ def _start(name: str, args: list[str], env: dict[str, str]) -> Node:
     temp_dir = Path(tempfile.mkdtemp(prefix=f"rt{name[0]}", dir="/tmp"))  # short: Unix socket paths < 108 bytes
     log = temp_dir / "ray-start.log"
     ray = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    require(ray is not None, "the ray CLI is not installed (pip install 'bridle[ray]')")
+    require(ray is not None, "the ray CLI is not installed (pip install -e '.[ray]')")
     cmd = [ray, "start", "--block", "--temp-dir", str(temp_dir), "--num-cpus", "1", "--object-store-memory",
            "200000000", "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
            "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),

@@ -47,7 +47,7 @@ EOF
 
 @pytest.fixture(scope="module")
 def cluster(images):
-    require(_has_ray(), "Ray is not installed (pip install 'bridle[ray]')")
+    require(_has_ray(), "Ray is not installed (pip install -e '.[ray]')")
     from tests.helpers.raycluster import start_cluster
 
     c = start_cluster(slots=2)

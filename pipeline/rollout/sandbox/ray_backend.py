@@ -49,7 +49,7 @@ from pipeline.rollout.tasks import Task, TaskError, load_task
 
 log = get_logger(component="sandbox")
 
-INSTALL_HINT = "the ray sandbox backend needs Ray: pip install 'bridle[ray]'"
+INSTALL_HINT = "the ray sandbox backend needs Ray: pip install -e '.[ray]'"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -309,6 +309,12 @@ class RayBackend:
                                f"'{{\"{s.resource}\": 8}}'` (configs/ray-cluster.toml)") from None
         self._remote = ray.remote(run_on_node)
         self._relay_actor = ray.remote(Relay)
+        nodes = await anyio.to_thread.run_sync(ray.nodes)
+        if not any(n["Alive"] and n["Resources"].get(s.resource, 0) > 0 for n in nodes):
+            # Not an error: an autoscaler (KubeRay, Slurm) adds such nodes when rollouts ask for them
+            log.warning("no_sandbox_node", resource=s.resource, nodes=len(nodes),
+                        hint=f"rollouts wait until a node declares it: ray start ... --resources "
+                             f"'{{\"{s.resource}\": 8}}' (`ray status` lists the resources)")
 
     async def aclose(self) -> None:
         ray = _ray()
