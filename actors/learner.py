@@ -127,7 +127,8 @@ class LearnerActor(Actor[LearnerSettings]):
         # The socket's folder is named by run and actor, like the proxy's: a restart removes what a crash left.
         prefix = f"bridle.sock-{run_tag(self.run_dir)}_{safe_name(self.name, 16)}_"
         async with start_ranks(c.processes, log_path=self.run_dir / "learner_ranks.log", gpus=c.gpus, fsdp=c.fsdp,
-                               threads=c.threads, timeout_s=c.rank_timeout_s, socket_prefix=prefix) as ranks:
+                               threads=c.threads, timeout_s=c.rank_timeout_s, socket_prefix=prefix,
+                               run=run_tag(self.run_dir)) as ranks:
             yield ranks
 
     async def _run(self, learner: InProcess | Ranks) -> None:

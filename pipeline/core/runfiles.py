@@ -1,7 +1,7 @@
 """What a run keeps on this host outside its run folder, named so that a restart of the run can find it.
 
-Sandbox workspaces, the proxy's Unix-socket folder, sandbox processes (environment ``BRIDLE_SANDBOX_RUN``) and
-containers (label ``bridle.run``) carry the run's :func:`run_tag`. A fresh start and ``run.py --resume`` of the same
+Sandbox workspaces, the proxy's Unix-socket folder, sandbox processes (environment ``BRIDLE_SANDBOX_RUN``), learner
+ranks (environment ``BRIDLE_LEARNER_RANKS``) and containers (label ``bridle.run``) carry the run's :func:`run_tag`. A fresh start and ``run.py --resume`` of the same
 run folder compute the same tag, so each component removes what a crashed (``kill -9``) earlier start of this run
 left before it starts anew, and never touches another run's.
 """
@@ -12,6 +12,8 @@ import hashlib
 import os
 import re
 import shutil
+import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -47,3 +49,42 @@ def remove_prefixed(parent: str | Path, prefix: str) -> list[Path]:
             else:
                 Path(e.path).unlink(missing_ok=True)
     return found
+
+
+def marked_pids(marker: bytes) -> list[int]:
+    """Processes of this user whose environment contains ``marker`` (``NAME=value``); empty without /proc."""
+    found: list[int] = []
+    needle = b"\0" + marker + b"\0"
+    me = os.getpid()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for e in entries:
+        if not e.isdigit() or int(e) == me:
+            continue
+        try:
+            with open(f"/proc/{e}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in b"\0" + env:
+            found.append(int(e))
+    return found
+
+
+def kill_marked(marker: str, rounds: int = 5) -> int:
+    """SIGKILL every process carrying ``marker`` in its environment, until none is left; return how many."""
+    killed = 0
+    for _ in range(rounds):
+        pids = marked_pids(marker.encode())
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)
+    return killed

@@ -34,12 +34,14 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from pipeline.core.logs import get_logger
 from pipeline.core.paths import REPO
-from pipeline.core.runfiles import remove_prefixed
+from pipeline.core.runfiles import kill_marked, remove_prefixed
 from pipeline.core.runtime import on_emergency
 from pipeline.messages import TreeGroup
 from pipeline.training.learner_config import LearnerConfig
 
 T = TypeVar("T")
+
+RANKS_MARKER = "BRIDLE_LEARNER_RANKS"  # in every rank's environment: the run's tag
 
 
 # ------------------------------------------------------------------------------------------------- protocol
@@ -329,10 +331,13 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 @contextlib.asynccontextmanager
 async def start_ranks(processes: int, *, log_path: Path, gpus: str = "", fsdp: bool = False, threads: int = 0,
                       timeout_s: float = 1800.0, start_timeout_s: float = 600.0,
-                      socket_prefix: str = "bridle-ranks-") -> AsyncIterator[Ranks]:
+                      socket_prefix: str = "bridle-ranks-", run: str = "") -> AsyncIterator[Ranks]:
     """Start ``processes`` learner ranks and wait until each has connected; stopped on exit (also when cancelled).
     ``gpus``: CUDA device ids for the ranks ("0,1"; empty: all visible); without CUDA the ranks run on the CPU.
-    ``socket_prefix``: of the socket's folder in the temp dir; what a crash left under it is removed first."""
+    ``socket_prefix``: of the socket's folder in the temp dir; what a crash left under it is removed first.
+    ``run``: the run's tag, in every rank's environment (``BRIDLE_LEARNER_RANKS``): ranks an earlier start of this
+    run left running after a ``kill -9`` (they stop only when they next read their closed channel, a step later)
+    are killed first, so they never train beside the new ones."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -341,10 +346,14 @@ async def start_ranks(processes: int, *, log_path: Path, gpus: str = "", fsdp: b
                          "ranks (set fsdp = false to train the ranks with DDP)")
     log = get_logger(actor="learner")
     remove_prefixed(tempfile.gettempdir(), socket_prefix)
+    if run and (n := await anyio.to_thread.run_sync(kill_marked, f"{RANKS_MARKER}={run}")):
+        log.warning("killed learner ranks an earlier start of this run left running", processes=n)
     sock_dir = Path(tempfile.mkdtemp(prefix=socket_prefix))  # not the run folder: a socket path has < 108 bytes
     sock_path = sock_dir / "learner.sock"
     cmd = launch_command(processes, str(sock_path), cuda=cuda, gpus=gpus, fsdp=fsdp, threads=threads)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if run:
+        env[RANKS_MARKER] = run
     if not cuda:
         env["ACCELERATE_USE_CPU"] = "true"
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -261,8 +261,8 @@ def test_a_second_signal_exits_at_once_without_a_traceback_or_leftovers(tmp_path
     proc = _quickstart(tmp_path, "experiment.build_model.tasks=20", "scheduler.sft_groups=0", "run.steps=50",
                        "scheduler.tasks.count=10")
     from pipeline.core.eventlog import EventLogReader
-    from pipeline.core.runfiles import run_tag
-    from pipeline.rollout.sandbox.local import MARKER_RUN, marked_pids
+    from pipeline.core.runfiles import marked_pids, run_tag
+    from pipeline.rollout.sandbox.local import MARKER_RUN
     from tests.helpers.leftovers import leftovers_of
 
     metrics = tmp_path / "run" / "metrics.jsonl"

@@ -12,11 +12,12 @@ import anyio
 import msgspec
 import pytest
 
+from pipeline.core.runfiles import marked_pids
 from pipeline.core.runtime import _EMERGENCY, emergency_stop
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.harnesses import HARNESSES, find_binary
 from pipeline.rollout.sandbox import LocalBackend, LocalSettings
-from pipeline.rollout.sandbox.local import MARKER_RUN, marked_pids
+from pipeline.rollout.sandbox.local import MARKER_RUN
 from pipeline.rollout.sandbox.util import rollout_dir
 from pipeline.rollout.scheduling import oracle_script
 from pipeline.rollout.taskgen import family_names, generate

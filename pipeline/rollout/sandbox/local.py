@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
@@ -28,6 +27,7 @@ import anyio
 import msgspec
 
 from pipeline.core.logs import get_logger
+from pipeline.core.runfiles import kill_marked
 from pipeline.core.runtime import on_emergency
 from pipeline.rollout.harnesses import Launch, LaunchContext, find_binary
 from pipeline.rollout.sandbox.base import (
@@ -75,45 +75,6 @@ _RLIMIT_EXEC = (
     "try:os.execvp(sys.argv[2],sys.argv[2:])\n"
     "except OSError as e:sys.stderr.write(f'cannot run {sys.argv[2]!r}: {e}\\n');sys.exit(127)\n"
 )
-
-
-def marked_pids(marker: bytes) -> list[int]:
-    """Processes of this user whose environment contains ``marker`` (``NAME=value``); empty without /proc."""
-    found: list[int] = []
-    needle = b"\0" + marker + b"\0"
-    me = os.getpid()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for e in entries:
-        if not e.isdigit() or int(e) == me:
-            continue
-        try:
-            with open(f"/proc/{e}/environ", "rb") as f:
-                env = f.read()
-        except OSError:
-            continue
-        if needle in b"\0" + env:
-            found.append(int(e))
-    return found
-
-
-def kill_marked(marker: str, rounds: int = 5) -> int:
-    """SIGKILL every process carrying ``marker`` in its environment, until none is left; return how many."""
-    killed = 0
-    for _ in range(rounds):
-        pids = marked_pids(marker.encode())
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.02)
-    return killed
 
 
 @dataclass(kw_only=True)
