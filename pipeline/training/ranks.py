@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -316,7 +317,11 @@ def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pid, sig)
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0, exit_s: float = 0.0) -> None:
+    """``exit_s``: how long the launcher may take to exit by itself (its ranks acknowledged a Shutdown) before it
+    is sent SIGTERM; then ``grace_s`` before SIGKILL."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(exit_s)
     if proc.poll() is None:
         _kill_group(proc.pid, signal.SIGTERM)
         try:
@@ -368,6 +373,7 @@ async def start_ranks(processes: int, *, log_path: Path, gpus: str = "", fsdp: b
     unregister = on_emergency(lambda: _kill_group(proc.pid))
     log.info("learner ranks starting", processes=processes, pid=proc.pid, log=str(log_path), cmd=" ".join(cmd))
     ranks = Ranks(proc, log_path, timeout_s)
+    shut_down = False
     t0 = time.monotonic()
     try:
         async def accept_all() -> None:
@@ -389,12 +395,13 @@ async def start_ranks(processes: int, *, log_path: Path, gpus: str = "", fsdp: b
         yield ranks
         with contextlib.suppress(RankError):  # the ranks are stopped below either way
             await ranks._call(Shutdown(), "shutdown", timeout_s=30)
+            shut_down = True
     finally:
         with anyio.CancelScope(shield=True):
             for s in ranks.streams:
                 await s.aclose()
             await listener.aclose()
-            await anyio.to_thread.run_sync(_stop, proc)
+            await anyio.to_thread.run_sync(partial(_stop, proc, exit_s=15.0 if shut_down else 0.0))
             unregister()
             shutil.rmtree(sock_dir, ignore_errors=True)
         log.info("learner ranks stopped", returncode=proc.returncode)
