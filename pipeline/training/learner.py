@@ -110,6 +110,7 @@ class Learner:
         policy.train()
 
         self.reference: nn.Module | None = None
+        self._reference_name = ""  # the reference's folder, once a checkpoint named it (resume)
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False).to(acc.device)
 
@@ -257,7 +258,7 @@ class Learner:
         from safetensors.torch import save_model  # handles tied embeddings (shared tensors)
 
         assert self.reference is not None
-        dest = parent / f"reference-v{self.config.initial_version:05d}"
+        dest = parent / (self._reference_name or f"reference-v{self.config.initial_version:05d}")
         if not (dest / REFERENCE_FILE).is_file():
             tmp = dest.with_name(dest.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -286,6 +287,7 @@ class Learner:
             dev = self.accelerator.device  # "cpu:0" on a gloo rank, which safetensors does not take
             load_model(self.reference, str(src.parent / state["reference"] / REFERENCE_FILE),
                        device="cpu" if dev.type == "cpu" else str(dev))
+            self._reference_name = state["reference"]  # later checkpoints name it again, not a copy of it
         _log().info("checkpoint_loaded", path=str(src), step=self.step, version=self.version,
                     reference=state.get("reference", ""))
         return dict(state["extra"])

@@ -110,6 +110,11 @@ def test_kill_9_then_resume_with_two_learner_ranks(tmp_path):
         m = json.loads(line)
         if m["source"] == "learner.rl":
             rl[m["step"]] = m
-    # the resumed ranks continue from the checkpoint's policy: the KL to the SFT reference stays where it was
-    assert rl[3]["kl"] <= 2 * max(rl[1]["kl"], rl[2]["kl"]) + 0.02, rl
+    # the resumed ranks continue from the checkpoint's policy: the KL to the SFT reference stays where it was (a
+    # step whose groups all had one reward trained nothing and measured no KL)
+    before = [rl[s]["kl"] for s in (1, 2) if "kl" in rl[s]]
+    after = [rl[s]["kl"] for s in (3, 4) if "kl" in rl[s]]
+    assert all(k <= 2 * max(before, default=0.0) + 0.02 for k in after), rl
+    # the resumed learner names the run's one KL reference again instead of writing a copy
+    assert len(list((run_dir / "checkpoints").glob("reference-v*"))) == 1
     _no_ranks_left(run_dir)

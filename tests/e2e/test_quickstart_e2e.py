@@ -152,8 +152,10 @@ def test_kill_9_then_resume_keeps_the_policy_and_neither_repeats_nor_skips_a_ste
         m = json.loads(line)
         if m["source"] == "learner.rl":
             rl[m["step"]] = m  # the resumed run's records of a step replace those of the killed one
-    before = [rl[s] for s in (1, 2)]
-    after = [rl[s] for s in (3, 4, 5)]
+    # a step whose groups all had one reward trains nothing and measures no KL, entropy or reward: left out
+    before = [rl[s] for s in (1, 2) if "kl" in rl[s]]
+    after = [rl[s] for s in (3, 4, 5) if "kl" in rl[s]]
+    assert before and after, rl
     kl_scale = max(m["kl"] for m in before)
     assert after[0]["kl"] <= 2 * kl_scale + 0.02, (before, after)
     assert abs(after[0]["entropy"] - before[-1]["entropy"]) < 0.3, (before, after)
