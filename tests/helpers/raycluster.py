@@ -79,7 +79,7 @@ class Cluster:
             if node.proc.poll() is None:
                 try:
                     os.killpg(node.pgid, signal.SIGTERM)  # ray start --block stops its node's processes
-                    node.proc.wait(timeout=30)
+                    node.proc.wait(timeout=5)  # often it does not within 30 s: then the group is killed below
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     pass
             with contextlib.suppress(ProcessLookupError):
