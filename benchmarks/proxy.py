@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -67,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,6 +133,26 @@ async def serve_bridle(port: int, engine_url: str, rollouts: int, render_thread_
     finally:
         await proxy.stop()
         await engine.aclose()
+
+
+@contextlib.contextmanager
+def bench_folder(prefix: str, prompt: str) -> Iterator[tuple[Path, Path, list[Child]]]:
+    """A work folder holding the prompt, and the children started into it: stopped on exit; the folder is removed
+    after a success and kept (with the children's logs) after a failure."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    prompt_file = tmp / "prompt.txt"
+    prompt_file.write_text(prompt)
+    children: list[Child] = []
+    try:
+        yield tmp, prompt_file, children
+    except BaseException:
+        print(f"benchmark failed; child logs kept in {tmp}", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        for c in reversed(children):
+            c.stop()
 
 
 async def serve_workers(n: int, engine_url: str, rollouts: int) -> None:
@@ -422,11 +444,7 @@ def bench(args: argparse.Namespace) -> int:
     render_offline = offline_render_ms(prompt)
     litellm_bin, litellm_why = find_litellm("none" if args.no_litellm else args.litellm)
 
-    tmp = Path(tempfile.mkdtemp(prefix="bridle-proxy-bench-"))
-    prompt_file = tmp / "prompt.txt"
-    prompt_file.write_text(prompt)
-    children: list[Child] = []
-    try:
+    with bench_folder("bridle-proxy-bench-", prompt) as (tmp, prompt_file, children):
         servers, litellm_failed = start_servers(args, ids, litellm_bin, tmp, children)
         litellm_why = litellm_failed or litellm_why
         targets = servers.targets
@@ -434,14 +452,6 @@ def bench(args: argparse.Namespace) -> int:
               f"bridle {servers.bridle_ready['base_url']}; LiteLLM {targets['litellm'][0] if 'litellm' in targets else litellm_why}",
               flush=True)
         rows = [measure_level(args, servers, prompt_file, level) for level in args.levels]
-    except BaseException:
-        print(f"benchmark failed; child logs kept in {tmp}", file=sys.stderr)
-        raise
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        for c in reversed(children):
-            c.stop()
 
     print_overhead(rows, workload, render_offline, None if "litellm" in targets else litellm_why)
     print_throughput_model(rows, render_offline)
@@ -464,12 +474,8 @@ def bench_workers(args: argparse.Namespace) -> int:
     counts = [int(x) for x in args.workers.split(",")]
     ids = QwenTokenizer().encode("OK<|im_end|>")
     prompt, n_prompt = build_prompt(args.prompt_tokens)
-    tmp = Path(tempfile.mkdtemp(prefix="bridle-proxy-workers-bench-"))
-    prompt_file = tmp / "prompt.txt"
-    prompt_file.write_text(prompt)
-    children: list[Child] = []
     rows: list[dict[str, Any]] = []
-    try:
+    with bench_folder("bridle-proxy-workers-bench-", prompt) as (tmp, prompt_file, children):
         engine = Child("engine", [sys.executable, str(ROOT / "benchmarks" / "_zero_engine.py"),
                                   "--ids", *map(str, ids), "--text", "OK"], log_dir=tmp)
         children.append(engine)
@@ -512,14 +518,6 @@ def bench_workers(args: argparse.Namespace) -> int:
                       f"errors {r['errors']}", flush=True)
             child.stop()
             children.remove(child)
-    except BaseException:
-        print(f"benchmark failed; child logs kept in {tmp}", file=sys.stderr)
-        raise
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        for c in reversed(children):
-            c.stop()
     print()
     print(f"Proxy workers, {n_prompt}-token prompts, {cores()} cores. CPU ms per request: client, engine, the relay "
           "(the actor's loop passing records on) and the workers (all of them together; each request is served by "
