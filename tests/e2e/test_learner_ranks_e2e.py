@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import run_py as run
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def run(*args, timeout=900):
-    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
 
 
 def _args(run_dir: Path, sets: list[str]) -> list[str]:

@@ -8,13 +8,12 @@ About 5 minutes on 2 busy cores. Fails in CI (CI=true) when Docker, an image or 
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.ci import require
+from tests.helpers.cli import run_py
 from tests.helpers.docker import docker_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,9 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.harness, pytest.
 HARNESSES = ["openclaw", "qwen-code", "claude-code", "codex", "whitebox:S0T0O0C0W0"]
 
 
-def run(*args, timeout=1500):
-    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+def run(*args: str):
+    return run_py(*args, timeout=1500)
 
 
 def test_mix_cpu_every_harness_through_demonstrations_sft_and_rl_then_replay(tmp_path):

@@ -4,22 +4,18 @@ training batches. Then the same in Docker sandboxes, each container reaching its
 
 import json
 import re
-import subprocess
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import run_py as run
 from tests.rollout.conftest import images  # noqa: F401 (the fixture: the white-box image, or skip / fail)
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          check=False)
 
 
 def test_quickstart_with_two_proxy_workers_records_every_call_once_and_replays(tmp_path):

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import run_py as run
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def run(*args, timeout=900):
-    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
 
 
 def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):

@@ -5,22 +5,18 @@ still written; a replay of the learner (whose recorded engine is gone) falls bac
 batches."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pipeline.core.eventlog import EventLogReader
 from pipeline.messages import ModelCall, PolicyUpdated
+from tests.helpers.cli import run_py as run
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def run(*args, timeout=900):
-    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
 
 
 def test_quickstart_with_distributed_weight_sync(tmp_path):
