@@ -87,8 +87,8 @@ def test_workers_short_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["workers"], r["errors"]) for r in rows] == [(1, 0), (2, 0)]
-    # CPU is read in 10 ms ticks: a short run's relay may spend less than one, so only its absence is exact
-    assert rows[0]["cpu_ms"]["relay"] == 0 and rows[1]["cpu_ms"]["relay"] >= 0
+    # CPU is read in 10 ms ticks: a short run's relay may spend less than one, so only its absence is checked
+    assert rows[0]["cpu_ms"]["relay"] == 0
     assert all(r["rps"] > 0 and r["cpu_ms"]["workers"] > 0 and r["proxy_core_each"] > 0 for r in rows)
     assert "Proxy workers" in proc.stdout
 
