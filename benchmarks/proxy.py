@@ -323,8 +323,9 @@ def start_servers(args: argparse.Namespace, ids: list[int], litellm_bin: str | N
         serve_cmd += ["--render-thread-chars", str(args.render_thread_chars)]
     if args.py_spy:
         spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-        serve_cmd = [spy, "record", "--nonblocking", "--rate", "1000", "-o", args.py_spy, "--format",
-                     "speedscope" if args.py_spy.endswith(".json") else "flamegraph", "--", *serve_cmd]
+        fmt = {".json": "speedscope", ".txt": "raw"}.get(Path(args.py_spy).suffix, "flamegraph")
+        serve_cmd = [spy, "record", "--nonblocking", "--rate", "1000", "-o", args.py_spy, "--format", fmt, "--",
+                     *serve_cmd]
     bridle = Child("bridle", serve_cmd, stdin=True, log_dir=tmp)
     children.append(bridle)
     ready = json.loads(bridle.wait_line("BRIDLE-READY ", 120))
@@ -546,8 +547,8 @@ def main() -> None:
                     "history plus a short new message")
     ap.add_argument("--litellm", help=f"LiteLLM binary (default {LITELLM_DEFAULT}, then PATH)")
     ap.add_argument("--no-litellm", action="store_true")
-    ap.add_argument("--py-spy", metavar="OUT", help="record the bridle proxy with py-spy (.svg flamegraph or "
-                    ".json speedscope)")
+    ap.add_argument("--py-spy", metavar="OUT", help="record the bridle proxy with py-spy (.svg flamegraph, "
+                    ".json speedscope, .txt collapsed stacks)")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     ap.add_argument("--workers", metavar="N,N,...", help="bridle alone, once per proxy worker count (1: in process)")
     ap.add_argument("--render-thread-chars", type=int, metavar="N",

@@ -11,8 +11,8 @@ import json
 from typing import Any
 
 import orjson
-from aiohttp import web
 
+from pipeline.serving.http_server import Request, Response, json_response
 from pipeline.serving.wire import ErrorKind, Protocol
 from pipeline.tokens.conversation import Conversation
 from pipeline.tokens.from_wire import ConversionError, from_anthropic, from_chat, from_responses
@@ -24,22 +24,21 @@ class ProxyError(Exception):
         self.kind = kind
 
 
-def request_token(request: web.Request) -> str:
+def request_token(request: Request) -> str:
     key = request.headers.get("x-api-key", "")
     if key:
         return key.strip()
-    auth = request.headers.get("Authorization", "")
+    auth = request.headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
     return ""
 
 
-async def read_body(request: web.Request, max_bytes: int) -> dict[str, Any]:
-    """The request's JSON object (the server refuses bodies over ``max_bytes``)."""
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ProxyError("too_large", f"request body over {max_bytes} bytes") from None
+def read_body(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The request's JSON object (the server drops bodies over ``max_bytes`` and marks the request)."""
+    if request.too_large:
+        raise ProxyError("too_large", f"request body over {max_bytes} bytes")
+    raw = request.body
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -72,7 +71,7 @@ def include_usage(body: dict[str, Any]) -> bool:
     return isinstance(so, dict) and bool(so.get("include_usage"))
 
 
-def error_response(proto: Protocol, kind: ErrorKind, message: str) -> web.Response:
+def error_response(proto: Protocol, kind: ErrorKind, message: str) -> Response:
     status, body = proto.error(kind, message)
     headers = {"x-should-retry": "false"} if kind not in ("overloaded",) else {}
-    return web.json_response(body, status=status, headers=headers)
+    return json_response(body, status=status, headers=headers)

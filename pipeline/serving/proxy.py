@@ -29,7 +29,6 @@ from typing import Any
 import anyio
 import msgspec
 import orjson
-from aiohttp import web
 
 from pipeline.core.logs import get_logger
 from pipeline.messages import (
@@ -53,6 +52,7 @@ from pipeline.serving.harness_request import (
     read_body,
     request_token,
 )
+from pipeline.serving.http_server import HttpServer, Request, Response, Stream, json_response
 from pipeline.serving.labels import detect_label
 from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse
 from pipeline.serving.streaming import finish_stream, watch_engine
@@ -108,7 +108,7 @@ class RolloutState:
 class _Call:
     """One harness call on its way through the proxy: where it came from and what its answer needs."""
 
-    request: web.Request
+    request: Request
     proto: Protocol
     conv: Conversation
     st: RolloutState
@@ -136,7 +136,7 @@ class Proxy:
         self.log = get_logger(actor="proxy")
         self._stdlog = logging.getLogger("bridle")  # what get_logger's records go through (level checks)
         self._render_limiter: anyio.CapacityLimiter | None = None
-        self.runner: web.AppRunner | None = None
+        self.server: HttpServer | None = None
         self.base_url = ""
         self.unix_socket = ""
         self.render_seconds = 0.0
@@ -183,50 +183,45 @@ class Proxy:
         return len(st.pending) if st else 0
 
     # ------------------------------------------------------------------------------------------- server
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_body_bytes)
+    def routes(self) -> dict[tuple[str, str], Callable[[Request], Awaitable[Response | Stream]]]:
+        routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response | Stream]]] = {
+            ("HEAD", "/"): self.head, ("GET", "/health"): self.health}
         for prefix in ("/v1", ""):
-            app.router.add_post(prefix + "/chat/completions", self._handler("chat"))
-            app.router.add_post(prefix + "/messages", self._handler("anthropic"))
-            app.router.add_post(prefix + "/messages/count_tokens", self.count_tokens)
-            app.router.add_post(prefix + "/responses", self._handler("responses"))
-            app.router.add_get(prefix + "/models", self.models)
-        app.router.add_route("HEAD", "/", self.head)
-        app.router.add_get("/health", self.health)
-        return app
+            routes[("POST", prefix + "/chat/completions")] = self._handler("chat")
+            routes[("POST", prefix + "/messages")] = self._handler("anthropic")
+            routes[("POST", prefix + "/messages/count_tokens")] = self.count_tokens
+            routes[("POST", prefix + "/responses")] = self._handler("responses")
+            routes[("GET", prefix + "/models")] = self.models
+            routes[("HEAD", prefix + "/models")] = self.models
+        return routes
 
     async def start(self) -> str:
         self._render_limiter = anyio.CapacityLimiter(max(1, self.settings.render_threads))
-        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, self.settings.host, self.settings.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.server = HttpServer(self.routes(), max_body_bytes=self.settings.max_body_bytes)
+        port = await self.server.listen_tcp(self.settings.host, self.settings.port)
         self.base_url = f"http://{self.settings.host}:{port}"
         if self.settings.unix_socket:
-            sock = anyio.Path(self.settings.unix_socket)
-            await sock.unlink(missing_ok=True)
-            await web.UnixSite(self.runner, self.settings.unix_socket).start()
-            await sock.chmod(0o666)
+            await self.server.listen_unix(self.settings.unix_socket)
+            await anyio.Path(self.settings.unix_socket).chmod(0o666)
             self.unix_socket = self.settings.unix_socket
         self.log.info("proxy listening", base_url=self.base_url, unix_socket=self.unix_socket or None)
         return self.base_url
 
     async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
+        if self.server is not None:
+            await self.server.close()
+            self.server = None
 
-    async def head(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+    async def head(self, request: Request) -> Response:
+        return Response(200)
 
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "rollouts": len(self.rollouts), "policy_version": self.policy_version})
+    async def health(self, request: Request) -> Response:
+        return json_response({"ok": True, "rollouts": len(self.rollouts), "policy_version": self.policy_version})
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         now = int(time.time())
         ids = [self.settings.model_name, self.settings.subagent_model]
-        return web.json_response({
+        return json_response({
             "object": "list",
             "data": [{"id": i, "object": "model", "created": now, "owned_by": "bridle", "type": "model",
                       "display_name": i, "created_at": "1970-01-01T00:00:00Z"} for i in ids],
@@ -234,7 +229,7 @@ class Proxy:
         })
 
     # -------------------------------------------------------------------------------------- helpers
-    def _auth(self, request: web.Request) -> RolloutState:
+    def _auth(self, request: Request) -> RolloutState:
         token = request_token(request)
         st = self.rollouts.get(token) if token else None
         if st is None:
@@ -242,31 +237,31 @@ class Proxy:
                              "missing or unknown rollout token (send it as x-api-key or Authorization: Bearer)")
         return st
 
-    async def count_tokens(self, request: web.Request) -> web.Response:
+    async def count_tokens(self, request: Request) -> Response:
         proto = PROTOCOLS["anthropic"]
         try:
             self._auth(request)
-            body = await read_body(request, self.settings.max_body_bytes)
+            body = read_body(request, self.settings.max_body_bytes)
             body.setdefault("max_tokens", 1)
             conv = convert("anthropic", body)
             n = len(self.renderer.render_ids(conv))
         except ProxyError as e:
             return error_response(proto, e.kind, str(e))
-        return web.json_response({"input_tokens": int(n)})
+        return json_response({"input_tokens": int(n)})
 
-    def _handler(self, protocol: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        async def handle(request: web.Request) -> web.StreamResponse:
+    def _handler(self, protocol: str) -> Callable[[Request], Awaitable[Response | Stream]]:
+        async def handle(request: Request) -> Response | Stream:
             return await self.handle_call(protocol, request)
 
         return handle
 
     # ------------------------------------------------------------------------------------------- a call
-    async def handle_call(self, protocol: str, request: web.Request) -> web.StreamResponse:
+    async def handle_call(self, protocol: str, request: Request) -> Response | Stream:
         proto = PROTOCOLS[protocol]
         received = time.time()
         try:
             st = self._auth(request)
-            body = await read_body(request, self.settings.max_body_bytes)
+            body = read_body(request, self.settings.max_body_bytes)
             conv = convert(protocol, body)
         except ProxyError as e:
             return error_response(proto, e.kind, str(e))
@@ -327,12 +322,12 @@ class Proxy:
 
     async def _generate_and_answer(
         self, call: _Call, input_ids: Any, sampling: EngineSampling, rendered: RenderResult, render_s: float
-    ) -> web.StreamResponse:
+    ) -> Response | Stream:
         st, proto, sstate = call.st, call.proto, call.sstate
         engine = self.engine_for(st)
         rid = f"{st.request.rollout_id}|{call.call_id}"
         engine_start = time.time()
-        # The engine call runs as a plain asyncio task (aiohttp handlers always run on asyncio): most calls finish
+        # The engine call runs as a plain asyncio task (the server runs on asyncio): most calls finish
         # within the first watch tick, and a task group + event + cancel scope per call cost more than the rest of
         # the waiting.
         task = asyncio.get_running_loop().create_task(
@@ -350,7 +345,7 @@ class Proxy:
                 task.exception()  # retrieved: whatever the engine said no longer matters
             self.log.bind(**call.ctx).info("client disconnected; engine request aborted")
             await self._fail(call, "client disconnected")
-            return resp if resp is not None else web.Response(status=499)
+            return resp if resp is not None else Response(499)
         result, error = task.result()
         if error is not None:
             kind, msg = error
@@ -370,15 +365,15 @@ class Proxy:
                       conv=call.conv)
         if call.stream:
             try:
-                answer = await finish_stream(call.request, resp, head, proto.stream_rest(sstate, reply), strict=True)
-            except (ConnectionError, RuntimeError):
+                answer = finish_stream(call.request, resp, head, proto.stream_rest(sstate, reply), strict=True)
+            except ConnectionError:
                 # The harness never saw this answer, so it is no part of its trajectory: not a trainable call.
                 self.log.bind(**call.ctx).info("client disconnected before the answer was delivered")
                 await self._fail(call, "client disconnected before the answer was delivered")
                 st.calls += 1
-                return resp if resp is not None else web.Response(status=499)
+                return resp if resp is not None else Response(499)
         else:
-            answer = web.Response(body=orjson.dumps(proto.response(reply)), content_type="application/json")
+            answer = Response(200, orjson.dumps(proto.response(reply)))
         await self.emit(ModelCall(
             rollout_id=st.request.rollout_id, call_id=call.call_id, seq=call.seq,
             protocol=proto.name,  # type: ignore[arg-type]
@@ -401,12 +396,12 @@ class Proxy:
         await self.emit(CallFailed(rollout_id=call.st.request.rollout_id, call_id=call.call_id, seq=call.seq,
                                    reason=reason, t=time.time()))
 
-    async def _answer_error(self, call: _Call, resp: web.StreamResponse | None, head: bytes, kind: ErrorKind,
-                            message: str, *, reason: str) -> web.StreamResponse:
+    async def _answer_error(self, call: _Call, resp: Stream | None, head: bytes, kind: ErrorKind,
+                            message: str, *, reason: str) -> Response | Stream:
         """Record the call as failed (``reason``) and tell the client ``message``: an error event on a stream."""
         await self._fail(call, reason)
         if call.stream:
-            return await finish_stream(call.request, resp, head, call.proto.stream_error(call.sstate, kind, message))
+            return finish_stream(call.request, resp, head, call.proto.stream_error(call.sstate, kind, message))
         return error_response(call.proto, kind, message)
 
 

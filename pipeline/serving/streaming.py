@@ -2,7 +2,7 @@
 than ``stream_head_s``, protocol keep-alives every ``keepalive_s``, the rest in one write, and a dropped client
 noticed (its engine request aborted) within a tick.
 
-The engine call is a plain asyncio task (aiohttp handlers always run on asyncio). The protocol supplies the
+The engine call is a plain asyncio task (the proxy's server runs on asyncio). The protocol supplies the
 bytes (``Protocol.stream_open`` / ``keepalive`` / ``stream_rest`` in wire.py); this module decides when they go.
 """
 
@@ -11,25 +11,25 @@ from __future__ import annotations
 import asyncio
 
 import anyio
-from aiohttp import web
 
 from pipeline.serving.engine import Engine
+from pipeline.serving.http_server import Request, Response, Stream
 from pipeline.serving.wire import Protocol, StreamState
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 async def watch_engine(
-    request: web.Request, proto: Protocol, sstate: StreamState, stream: bool, task: asyncio.Task,
+    request: Request, proto: Protocol, sstate: StreamState, stream: bool, task: asyncio.Task,
     engine: Engine, rid: str, *, stream_head_s: float, keepalive_s: float,
-) -> tuple[web.StreamResponse | None, bool]:
+) -> tuple[Stream | None, bool]:
     """Wait for the engine ``task``, watching the connection every tick: a dropped client aborts the engine
     request ``rid``. Streams send their head only when the engine has not answered within stream_head_s (so a
     quick answer goes out as one write: head, events and end together), then a protocol keep-alive every
     keepalive_s. Returns (the stream whose head was sent, or None; whether the client disconnected); the
     task is done on return."""
     loop = asyncio.get_running_loop()
-    resp: web.StreamResponse | None = None
+    resp: Stream | None = None
     tick = min(0.5, keepalive_s)
     next_keepalive = loop.time() + keepalive_s
     wait_s = stream_head_s if stream else tick
@@ -40,17 +40,16 @@ async def watch_engine(
                 if task.done():
                     break
             wait_s = tick
-            gone = request.transport is None or request.transport.is_closing()
+            gone = request.disconnected()
             if not gone and stream:
                 try:
                     if resp is None:
-                        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-                        await resp.prepare(request)
-                        await resp.write(proto.stream_open(sstate))
+                        resp = request.stream(200, SSE_HEADERS)
+                        resp.write(proto.stream_open(sstate))
                     if loop.time() >= next_keepalive:
                         next_keepalive = loop.time() + keepalive_s
-                        await resp.write(proto.keepalive(sstate))
-                except (ConnectionError, RuntimeError):
+                        resp.write(proto.keepalive(sstate))
+                except ConnectionError:
                     gone = True
             if gone:
                 with anyio.move_on_after(10):
@@ -63,8 +62,8 @@ async def watch_engine(
     return resp, False
 
 
-async def finish_stream(request: web.Request, resp: web.StreamResponse | None, head: bytes, rest: bytes, *,
-                        strict: bool = False) -> web.StreamResponse:
+def finish_stream(request: Request, resp: Stream | None, head: bytes, rest: bytes, *,
+                  strict: bool = False) -> Stream | Response:
     """Send the rest of a stream and end it, in one write: with the status line and head when the head was
     not sent yet (then as a body with a length instead of chunks: the same bytes to SSE clients).
 
@@ -72,12 +71,9 @@ async def finish_stream(request: web.Request, resp: web.StreamResponse | None, h
     left to tell that client."""
     try:
         if resp is None:
-            resp = web.Response(status=200, headers=SSE_HEADERS, body=head + rest)
-            await resp.prepare(request)  # a Response holds its headers back until the body is written
-            await resp.write_eof()
-        else:
-            await resp.write_eof(rest)
-    except (ConnectionError, RuntimeError):
+            return request.send(Response(200, head + rest, SSE_HEADERS, content_type="text/event-stream"))
+        resp.end(rest)
+    except ConnectionError:
         if strict:
             raise
-    return resp
+    return resp if resp is not None else Response(499)

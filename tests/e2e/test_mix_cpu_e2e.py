@@ -2,9 +2,9 @@
 
 Docker sandboxes on network "none", the embedded engine with a tiny full-vocabulary Qwen3-shaped policy, one
 group per (task, harness) pair. Cold start: an oracle demonstration through each harness (the scripted engine
-behind the real proxy), one SFT pack each; then two GRPO steps sampling through every harness, the weights pushed
-to the engine after each update. Then the log is replayed: the learner's batches and every rollout's tree.
-About 5 minutes on 2 busy cores. Fails in CI (CI=true) when Docker, an image or a harness is missing.
+behind the real proxy), one SFT pack each, the weights pushed to the engine; then a GRPO step sampling through every
+harness from them (the shipped config runs two; one keeps CI short, and pushing after an RL step is the quickstart
+tests'). Then the log is replayed: the learner's batches and every rollout's tree. About 4 minutes on 2 busy cores. Fails in CI (CI=true) when Docker, an image or a harness is missing.
 """
 
 import json
@@ -36,7 +36,7 @@ def test_mix_cpu_every_harness_through_demonstrations_sft_and_rl_then_replay(tmp
 
     run_dir = tmp_path / "run"
     r = run("--experiment", "mix-cpu", "--run-dir", str(run_dir), "--no-watch",
-            "--set", f'run.model="{tmp_path / "model"}"', "--set", 'monitor.display="off"')
+            "--set", f'run.model="{tmp_path / "model"}"', "--set", 'monitor.display="off"', "--set", "run.steps=1")
     assert r.returncode == 0, r.stderr[-4000:]
     log = run_dir / "events.msgpack"
 
@@ -47,10 +47,10 @@ def test_mix_cpu_every_harness_through_demonstrations_sft_and_rl_then_replay(tmp
     stats = {s.harness: s for s in report(log)}
     assert sorted(stats) == sorted(HARNESSES)
     for s in stats.values():
-        # 1 demonstration + 2 steps x 1 group x 2 rollouts, every one settled and turned into a tree
-        assert (s.rollouts, s.demonstrations, s.settled) == (5, 1, 5), s
+        # 1 demonstration + 1 step x 1 group x 2 rollouts, every one settled and turned into a tree
+        assert (s.rollouts, s.demonstrations, s.settled) == (3, 1, 3), s
         assert s.sft_packs == 1, s  # its own demonstration pack, trained in the cold start
-        assert s.groups_trained >= 1, s  # an RL step trained on one of its groups (PolicyUpdated.groups)
+        assert s.groups_trained == 1, s  # the RL step trained on its group (PolicyUpdated.groups)
         assert s.calls >= 5 and s.max_input_tokens > 0, s
 
     events = list(EventLogReader(log))
@@ -61,13 +61,13 @@ def test_mix_cpu_every_harness_through_demonstrations_sft_and_rl_then_replay(tmp
     assert all((f.status, f.reward) == ("ok", 1.0) for f in demos), [(f.rollout_id, f.details) for f in demos]
 
     updates = [e.msg for e in events if isinstance(e.msg, PolicyUpdated)]
-    assert [u.step for u in updates] == [0, 1, 2]  # after SFT, after each RL step
+    assert [u.step for u in updates] == [0, 1]  # after SFT, after the RL step
     assert len(updates[0].groups) == 5 and all(u.groups for u in updates)  # the packs, then each step's groups
     assert all(u.weights_path and u.batch_hash for u in updates) and Path(updates[-1].weights_path).is_dir()
     sft_version = updates[0].version
     pushed = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
     pushed = {int(x["version"]) for x in pushed if x.get("event") == "engine weights updated"}
-    assert {sft_version, updates[1].version} <= pushed  # the last one is published as the run ends
+    assert sft_version in pushed  # the last one is published as the run ends
     for h in HARNESSES:  # every harness sampled from the pushed weights, not the initial ones
         versions = [int(c.versions[0].version) for e in events if isinstance(c := e.msg, ModelCall)
                     and requests[c.rollout_id].harness == h and requests[c.rollout_id].purpose == "train"]
@@ -79,12 +79,12 @@ def test_mix_cpu_every_harness_through_demonstrations_sft_and_rl_then_replay(tmp
     r = run("--replay", str(log), "--trees")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "NOT JOINED" not in r.stdout
-    assert all(f"harness {h.split(':')[0]}: rollouts=5" in r.stdout for h in HARNESSES), r.stdout[-3000:]
+    assert all(f"harness {h.split(':')[0]}: rollouts=3" in r.stdout for h in HARNESSES), r.stdout[-3000:]
 
     r = run("--replay", str(log), "--stage", "learner", "--run-dir", str(tmp_path / "rl"))
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["batches"]["replayed"] == out["batches"]["recorded"] == out["batches"]["identical"] == 3
+    assert out["batches"]["replayed"] == out["batches"]["recorded"] == out["batches"]["identical"] == 2
 
     # the trained policy evaluated through every harness on held-out tasks: in-space and out-of-space columns
     r = run("--eval", "--experiment", "mix-cpu", "--checkpoint", str(run_dir), "--run-dir", str(tmp_path / "ev"),
