@@ -1,14 +1,13 @@
 """The proxy's HTTP/1.1 server: asyncio protocols with httptools (llhttp, Node's parser, in C) framing requests.
 
-Why not aiohttp's server, which the proxy used before: with a zero-latency engine and fresh 2k-token prompts the
-proxy's event loop spent 1.13 ms per call under aiohttp's web stack and 0.83 ms under this one, rendering included
-(``benchmarks/proxy.py``, same run conditions): its request and response objects, router, payload writers and
-per-request task bookkeeping were a third of the loop's work that is not tokenizing. This server keeps only what the
-proxy needs: requests with a body framed by Content-Length or chunks (``Expect: 100-continue`` answered), keep-alive
-and pipelining (answered in order), a body limit (the request still reaches its handler, marked ``too_large``, so the
-refusal is in the endpoint's protocol), answers of known length written in one buffer, and streamed answers (SSE)
-in chunks. Idle keep-alive connections close after ``keepalive_timeout_s``; a malformed request gets a 400 and the
-connection closes.
+Why not aiohttp's server, which the proxy used before: the proxy's event loop is its throughput limit, and with
+aiohttp's web stack (request and response objects, router, payload writers, per-request bookkeeping) it spent
+6-10 % more CPU per call (median over interleaved rounds, ``benchmarks/proxy_ab.py``; fresh 2k-token prompts,
+zero-latency engine). This server keeps only what the proxy needs: requests with a body framed by Content-Length or
+chunks (``Expect: 100-continue`` answered), keep-alive and pipelining (answered in order), a body limit (the request
+still reaches its handler, marked ``too_large``, so the refusal is in the endpoint's protocol), answers of known
+length written in one buffer, and streamed answers (SSE) in chunks. Idle keep-alive connections close after
+``keepalive_timeout_s``; a malformed request gets a 400 and the connection closes.
 
 A handler gets a :class:`Request` and returns a :class:`Response`, or the :class:`Stream` it opened with
 :meth:`Request.stream` and ended. :meth:`Request.send` writes an answer at once and raises ConnectionError when the

@@ -93,6 +93,21 @@ def test_workers_short_run(tmp_path):
     assert "Proxy workers" in proc.stdout
 
 
+def test_proxy_ab_short_run():
+    """benchmarks/proxy_ab.py with this tree on both sides: both proxies answer every request, a line per round and
+    the medians (no timing asserted); a folder that is no source tree is refused by name."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "proxy_ab.py"), "--rounds", "2", "--requests", "48",
+           "--clients", "4", "--prompt-tokens", "256"]
+    proc = subprocess.run(cmd + ["--before", str(ROOT)], cwd=str(ROOT), capture_output=True, text=True, timeout=300,
+                          check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [ln.split(":")[0] for ln in proc.stdout.splitlines() if ln.startswith("round ")] == ["round 0", "round 1"]
+    assert "after/before loop CPU: median" in proc.stdout
+    bad = subprocess.run(cmd + ["--before", str(ROOT / "docs")], cwd=str(ROOT), capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert bad.returncode != 0 and "not a bridle source tree" in bad.stderr
+
+
 def test_harness_benchmark_short_run(tmp_path):
     """benchmarks/harnesses.py on the white-box harness (no binary needed): the tools rollout and its compaction
     rollout, local backend; the tables say what was measured (no timing asserted)."""
