@@ -11,6 +11,7 @@ cold start).
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 from collections.abc import AsyncIterator
 from functools import partial
@@ -87,6 +88,16 @@ class LearnerSettings(Section):
                 out == "engines" and dst == name for _, out, dst in exp.graph.parsed_edges()):
             raise ConfigError(f'{exp.source}: [{name}].weight_sync = "distributed" needs the engine workers: add '
                               f'"<proxy>.engines -> {name}" to [graph].edges (docs/serving.md, "Weight sync")')
+        if self.processes == 1 and (self.fsdp or self.gpus):
+            what = "fsdp = true" if self.fsdp else f'gpus = "{self.gpus}"'
+            raise ConfigError(f"{exp.source}: [{name}].{what} applies to learner ranks, and processes = 1 runs the "
+                              f"learner in this process: set [{name}].processes to the number of ranks")
+        if self.gpus and not re.fullmatch(r"\d+(,\d+)*", self.gpus):
+            raise ConfigError(f'{exp.source}: [{name}].gpus = "{self.gpus}": expected CUDA device ids separated by '
+                              'commas, e.g. "0,1"')
+        if self.gpus and len(self.gpus.split(",")) < self.processes:
+            raise ConfigError(f'{exp.source}: [{name}].gpus = "{self.gpus}" names {len(self.gpus.split(","))} '
+                              f"device(s) for processes = {self.processes}: one per rank")
         if self.weight_sync == "distributed" and self.processes > 1:
             raise ConfigError(f'{exp.source}: [{name}].weight_sync = "distributed" with processes = '
                               f'{self.processes}: the broadcast is sent from this process, which holds no weights '

@@ -15,8 +15,10 @@ A reload that touches a fixed field is refused as a whole, so nothing is ever ha
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,19 +196,71 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 _AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.DOTALL)
+_UNKNOWN = re.compile(r"^Object contains unknown field (\S+)$")
+_ENUM = re.compile(r"^Invalid enum value ")
 
 
-def _explain(source: str, section: str, err: msgspec.ValidationError, overrides: list[str]) -> str:
+def _struct_at(typ: Any, path: list[str]) -> Any:
+    """The type of the field at ``path`` (field names; list indices dropped) inside Struct ``typ``, or None."""
+    for name in path:
+        struct = _struct_in(typ)
+        if struct is None:
+            return None
+        typ = next((f.type for f in msgspec.structs.fields(struct) if f.encode_name == name), None)
+    return typ
+
+
+def _struct_in(typ: Any) -> Any:
+    """``typ`` itself when it is a Struct, else the Struct inside an Optional / union / Annotated, or None."""
+    if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+        return typ
+    for arg in typing.get_args(typ):
+        if (found := _struct_in(arg)) is not None:
+            return found
+    return None
+
+
+def _literals(typ: Any) -> list[Any]:
+    if typing.get_origin(typ) is Literal:
+        return list(typing.get_args(typ))
+    return [v for arg in typing.get_args(typ) for v in _literals(arg)]
+
+
+def _hint(typ: type, path: list[str], what: str) -> tuple[str, str | None]:
+    """(what to add to the message, the unknown field's name or None): close names for an unknown field, the
+    allowed values for a wrong one."""
+    if (m := _UNKNOWN.match(what)) is not None:
+        name = m.group(1)
+        struct = _struct_in(_struct_at(typ, path))
+        if struct is None:
+            return "", name
+        known = [f.encode_name for f in msgspec.structs.fields(struct)]
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        if close:
+            return f"; did you mean {' or '.join(close)}?", name
+        return f"; its fields are {', '.join(known)}", name
+    if _ENUM.match(what) and (allowed := _literals(_struct_at(typ, path))):
+        return f"; allowed: {', '.join(map(str, allowed))}", None
+    return "", None
+
+
+def _explain(source: str, section: str, err: msgspec.ValidationError, overrides: list[str], typ: type) -> str:
     m = _AT.match(str(err))
     what, path = (m.group(1), m.group(2) or "") if m else (str(err), "")
-    field_path = re.sub(r"\.(\w+)", r".\1", path).lstrip(".")
-    where = f"[{section}]" + (f".{field_path}" if field_path else "")
+    field_path = path.lstrip(".")
+    bare = re.sub(r"\[\d+\]", "", field_path)  # list indices dropped: the field names the types are found by
+    parts = bare.split(".") if bare else []
     what = what.replace("`", "")
+    hint, unknown = _hint(typ, parts, what)
+    where = f"[{section}]" + (f".{field_path}" if field_path else "")
+    what = what[0].lower() + what[1:] + hint
+    key = ".".join([section, *parts, *([unknown] if unknown else [])])
     for o in overrides:
-        key = o.split("=", 1)[0].strip()
-        if field_path and key == f"{section}.{field_path}":
-            return f"--set {o}: {what[0].lower() + what[1:]} (field {where} in {source})"
-    return f"{source}: {where}: {what[0].lower() + what[1:]}"
+        k = o.split("=", 1)[0].strip()
+        # an unknown field is the override's own key, or the first part of it that names no field
+        if (parts or unknown) and (k == key or (unknown is not None and k.startswith(key + "."))):
+            return f"--set {o}: {what} (field {where} in {source})"
+    return f"{source}: {where}: {what}"
 
 
 def _decode(source: str, section: str, data: Any, typ: type, overrides: list[str]) -> Any:
@@ -215,7 +269,7 @@ def _decode(source: str, section: str, data: Any, typ: type, overrides: list[str
     try:
         return msgspec.convert(data, typ)
     except msgspec.ValidationError as e:
-        raise ConfigError(_explain(source, section, e, overrides)) from None
+        raise ConfigError(_explain(source, section, e, overrides, typ)) from None
 
 
 def load_experiment(
@@ -241,8 +295,21 @@ def load_experiment(
     out = Experiment(source=source, experiment=exp, graph=graph, sections=sections, overrides=overrides, run=run,
                      notes=notes)
     for name, sec in sections.items():
-        sec.check(name, out)
+        try:
+            sec.check(name, out)
+        except ConfigError as e:
+            raise ConfigError(_blame_override(str(e), name, overrides)) from None
     return out
+
+
+def _blame_override(msg: str, section: str, overrides: list[str]) -> str:
+    """A section check's message, saying which --set gave the field it names (the file did not)."""
+    for o in overrides:
+        key = o.split("=", 1)[0].strip()
+        sect, _, field_name = key.partition(".")
+        if sect == section and f"[{section}].{field_name}" in msg:
+            return f"{msg} (from --set {o})"
+    return msg
 
 
 def _read_experiment(name_or_path: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -81,6 +81,44 @@ def test_overrides_are_typed(tmp_path):
         load(tmp_path, BASE, ["count"])
 
 
+def test_errors_suggest_the_field_and_list_the_allowed_values(tmp_path):
+    """A misspelt field gets the close names (or the section's fields), a wrong choice the allowed values, and an
+    override is blamed as the --set it came from, also when its misspelt part is not its last."""
+    with pytest.raises(cfg.ConfigError) as e:
+        load(tmp_path, BASE.replace("factor = 2.0", "factr = 2.0"))
+    assert str(e.value).endswith("[scale]: object contains unknown field factr; did you mean factor?")
+    with pytest.raises(cfg.ConfigError) as e:
+        load(tmp_path, BASE.replace("factor = 2.0", "zzz = 2.0"))
+    assert str(e.value).endswith("unknown field zzz; its fields are factor, mode")
+    for bad in ["scale.factr=3", "scale.factr.deep=3"]:
+        with pytest.raises(cfg.ConfigError) as e:
+            load(tmp_path, BASE, [bad])
+        assert str(e.value).startswith(f"--set {bad}: object contains unknown field factr; did you mean factor?")
+    quickstart = (cfg.CONFIG_DIR / "quickstart.toml").read_text()
+    with pytest.raises(cfg.ConfigError) as e:
+        load(tmp_path, quickstart, ['scheduler.mode="mixx"'])
+    assert str(e.value).startswith('--set scheduler.mode="mixx": invalid enum value \'mixx\'; allowed: single, mix, '
+                                   "scaling (field [scheduler].mode in ")
+    with pytest.raises(cfg.ConfigError) as e:  # nested: the struct at the error's path gives the names
+        load(tmp_path, quickstart, ["learner.train.lrr=1e-5"])
+    assert str(e.value).startswith("--set learner.train.lrr=1e-5: object contains unknown field lrr; did you mean lr?")
+
+
+@pytest.mark.parametrize("sets, says", [
+    (["learner.fsdp=true"], ("[learner].fsdp = true applies to learner ranks, and processes = 1 runs the learner in "
+                            "this process: set [learner].processes to the number of ranks (from --set learner.fsdp=true)")),
+    (['learner.gpus="0,1"'], '[learner].gpus = "0,1" applies to learner ranks'),
+    (["learner.processes=2", 'learner.gpus="0;1"'], 'expected CUDA device ids separated by commas, e.g. "0,1"'),
+    (["learner.processes=3", 'learner.gpus="0,1"'], ('[learner].gpus = "0,1" names 2 device(s) for processes = 3: one '
+                                                     "per rank (from --set learner.gpus=\"0,1\")")),
+])
+def test_learner_rank_settings_without_ranks_or_with_too_few_gpus_are_refused(tmp_path, sets, says):
+    """fsdp and gpus only mean something to learner ranks: with processes = 1 they were silently ignored."""
+    with pytest.raises(cfg.ConfigError) as e:
+        load(tmp_path, (cfg.CONFIG_DIR / "quickstart.toml").read_text(), sets)
+    assert says in str(e.value)
+
+
 def test_experiment_name_resolution(tmp_path):
     assert cfg.resolve_experiment_path("toy").name == "toy.toml"
     with pytest.raises(cfg.ConfigError, match="known experiments: .*toy"):
