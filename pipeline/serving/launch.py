@@ -96,10 +96,12 @@ def _kill_group(pid: int) -> None:
 
 @contextlib.asynccontextmanager
 async def process(
-    name: str, cmd: list[str], *, log_path: Path | None, env: dict[str, str] | None = None
+    name: str, cmd: list[str], *, log_path: Path | None, env: dict[str, str] | None = None, actor: str = ""
 ) -> AsyncIterator[EngineProcess]:
     """Run ``cmd`` in its own process group with its output in ``log_path`` (a temporary file when None, removed
-    after a clean stop); terminated (then killed) on exit, also when the run is cancelled."""
+    after a clean stop); terminated (then killed) on exit, also when the run is cancelled. Its start and stop are
+    logged as ``actor``'s (default: engine_launch)."""
+    plog = get_logger(actor=actor) if actor else log
     own_log = log_path is None
     if log_path is None:
         fd, tmp = tempfile.mkstemp(prefix=f"bridle-{name}-", suffix=".log")
@@ -118,7 +120,7 @@ async def process(
             )
 
     proc = await anyio.to_thread.run_sync(spawn)
-    log.info(f"{name} process started", pid=proc.pid, cmd=" ".join(cmd), log=str(log_path))
+    plog.info(f"{name} process started", pid=proc.pid, cmd=" ".join(cmd), log=str(log_path))
     unregister = on_emergency(lambda: _kill_group(proc.pid))
     try:
         yield EngineProcess(name, proc, log_path)
@@ -128,7 +130,7 @@ async def process(
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(_stop, proc)
             unregister()
-        log.info(f"{name} process stopped", pid=proc.pid, returncode=proc.returncode)
+        plog.info(f"{name} process stopped", pid=proc.pid, returncode=proc.returncode)
         if own_log and proc.returncode in (0, -signal.SIGTERM):
             log_path.unlink(missing_ok=True)
 

@@ -246,7 +246,7 @@ class ProxyWorkers:
                 cmd = [sys.executable, "-m", "pipeline.serving.proxy_workers", "--control", self.control,
                        "--worker", str(w.index)]
                 w.process = await stack.enter_async_context(process(f"proxy-worker-{w.index}", cmd,
-                                                                    log_path=w.log_path))
+                                                                    log_path=w.log_path, actor="proxy_workers"))
             # runs last on the way out: the workers see their channel close and stop on their own (logging what
             # they served) before process() terminates what is left
             stack.push_async_callback(self._close)

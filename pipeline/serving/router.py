@@ -158,7 +158,7 @@ async def launch_router(
     cmd = router_command(worker_urls, host=host, port=port, prometheus_port=free_port(host),
                          policy=settings.resolved_policy(kind), log_level=settings.log_level,
                          extra_args=settings.args)
-    async with process("router", cmd, log_path=log_path) as child:
+    async with process("router", cmd, log_path=log_path, actor="router") as child:
         url = f"http://{host}:{port}"
         await wait_routing(url, worker_urls, timeout_s=settings.timeout_s, child=child)
         log.info("router ready", url=url, workers=list(worker_urls), policy=settings.resolved_policy(kind))
