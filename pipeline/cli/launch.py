@@ -346,6 +346,7 @@ def summary_text(s: Any) -> str:
         f"run        {s.run_id}  (experiment {s.experiment}, schema v{s.schema_version})",
         f"events     {s.events}  over {s.span_s:.2f} s",
         f"rollouts   {s.rollouts}   groups {s.groups}   steps {s.steps}"
+        + (" after the cold-start SFT" if s.cold_start else "")
         + (f"   policy version {s.last_policy_version}" if s.last_policy_version is not None else ""),
         "by type    " + ", ".join(f"{k} {v}" for k, v in s.by_type.items()),
         "by source  " + ", ".join(f"{k} {v}" for k, v in s.by_source.items()),

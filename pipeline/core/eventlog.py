@@ -338,7 +338,8 @@ class LogSummary:
     by_source: dict[str, int] = field(default_factory=dict)
     rollouts: int = 0
     groups: int = 0
-    steps: int = 0
+    steps: int = 0  # RL steps the learner finished (PolicyUpdated.step >= 1)
+    cold_start: bool = False  # the SFT update before them is logged (PolicyUpdated.step 0)
     last_policy_version: int | None = None
     first_t: float | None = None
     last_t: float | None = None
@@ -385,7 +386,7 @@ def summarize(path: Path | str) -> LogSummary:
     s.events = sum(by_type.values())
     s.by_type = dict(sorted(by_type.items()))
     s.by_source = dict(sorted(by_src.items()))
-    s.rollouts, s.groups, s.steps = len(rollouts), len(groups), len(steps)
+    s.rollouts, s.groups, s.steps, s.cold_start = len(rollouts), len(groups), len(steps - {0}), 0 in steps
     s.truncated_at = reader.report.truncated_at
     s.problem = reader.report.problem
     return s

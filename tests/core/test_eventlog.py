@@ -7,6 +7,7 @@ import anyio
 import msgspec
 import pytest
 
+from pipeline.cli.launch import summary_text
 from pipeline.core.eventlog import (
     MAGIC,
     MAGIC_V1,
@@ -207,8 +208,13 @@ def test_summary_counts(tmp_path):
     ])
     s = summarize(p)
     assert s.by_type == {"Metric": 1, "PolicyUpdated": 2, "RolloutFinished": 2}
-    assert (s.rollouts, s.groups, s.steps, s.last_policy_version) == (2, 1, 2, 2)
+    assert (s.rollouts, s.groups, s.steps, s.cold_start, s.last_policy_version) == (2, 1, 2, False, 2)
     assert s.span_s == 4.0
+    p2 = tmp_path / "sft.msgpack"
+    write(p2, [PolicyUpdated(version=1, step=0), PolicyUpdated(version=2, step=1)])  # SFT, then one RL step
+    s = summarize(p2)
+    assert (s.steps, s.cold_start) == (1, True)
+    assert "steps 1 after the cold-start SFT   policy version 2" in summary_text(s)
 
 
 @pytest.mark.anyio
