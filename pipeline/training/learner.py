@@ -160,7 +160,8 @@ class Learner:
         metrics["trainable_tokens"] = sums["tree_targets"]
         metrics["reward_mean"] = sums["reward_sum"] / len(groups)
         metrics["value_phase"] = float(value_phase)
-        _log().info("train_step", **{k: round(v, 6) for k, v in metrics.items()})
+        if self.accelerator.is_main_process:  # the metrics are global: one line, not one per rank
+            _log().info("train_step", **{k: round(v, 6) for k, v in metrics.items()})
         return metrics
 
     def sft_step(self, groups: list[TreeGroup]) -> dict[str, float]:
@@ -178,7 +179,8 @@ class Learner:
         self.step += 1
         self.version += 1
         metrics = self._finish_metrics(sums, [grad_norm], t0)
-        _log().info("sft_step", **{k: round(v, 6) for k, v in metrics.items()})
+        if self.accelerator.is_main_process:
+            _log().info("sft_step", **{k: round(v, 6) for k, v in metrics.items()})
         return metrics
 
     def loss_and_grads(self, groups: list[TreeGroup], sft: bool = False) -> dict[str, float]:
