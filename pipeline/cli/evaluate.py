@@ -12,6 +12,7 @@ import msgspec
 
 from pipeline.core import config as cfg
 from pipeline.core.eventlog import EventLogReader
+from pipeline.core.logs import get_logger
 from pipeline.core.runtime import Resolver
 from pipeline.eval.behaviour import Behaviour
 from pipeline.eval.estimators import paired_difference, pass_at_k
@@ -25,7 +26,7 @@ from pipeline.eval.run import (
     rounds_from_log,
     text,
 )
-from pipeline.messages import SettledRollout
+from pipeline.messages import PolicyUpdated, SettledRollout
 
 # What an evaluation runs of an experiment's graph: everything else (scheduler, tree builder, learner) is left out.
 EVAL_KINDS = ("evaluator", "proxy", "sandbox", "collector", "monitor")
@@ -39,7 +40,31 @@ def latest_weights(run_dir: Path) -> Path:
     if not done:
         raise cfg.ConfigError(f"--checkpoint {run_dir}: no complete weights folder in {run_dir / 'weights'} (a run "
                               "publishes one after its cold start and after every RL step)")
-    return max(done, key=lambda d: int(json.loads((d / WEIGHTS_INFO_FILE).read_text())["version"]))
+    newest = max(done, key=lambda d: _version(d / WEIGHTS_INFO_FILE))
+    _warn_if_newer_policy_in_log(run_dir, _version(newest / WEIGHTS_INFO_FILE), newest)
+    return newest
+
+
+def _version(info: Path) -> int:
+    return int(json.loads(info.read_text())["version"])
+
+
+def _warn_if_newer_policy_in_log(run_dir: Path, on_disk: int, folder: Path) -> None:
+    """A run that pushed weights without the disk (weight_sync = "distributed") and was killed before its final
+    policy was written has a newer policy in its log than in any folder: say so rather than evaluate silently."""
+    log = run_dir / "events.msgpack"
+    if not log.is_file():
+        return
+    last: PolicyUpdated | None = None
+    for ev in EventLogReader(log):
+        if isinstance(ev.msg, PolicyUpdated):
+            last = ev.msg
+    if last is not None and last.version > on_disk:
+        get_logger(actor="eval").warning(
+            "the run's last policy has no weights folder; evaluating an older one", logged_version=last.version,
+            logged_step=last.step, evaluated_version=on_disk, evaluated=str(folder),
+            why="pushed to the engines without the disk; the run stopped before writing its final policy (a "
+                "resumed run writes it when it ends)")
 
 
 def eval_experiment(exp: cfg.Experiment, resolve: Resolver, *, model: str | None = None,
