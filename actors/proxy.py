@@ -23,7 +23,13 @@ from pipeline.core.config import ConfigError, NonNegFloat, NonNegInt, Port, PosF
 from pipeline.core.runfiles import remove_prefixed, run_tag, safe_name
 from pipeline.core.runtime import Actor, on_emergency
 from pipeline.messages import EngineReady, Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
-from pipeline.serving.factory import EngineSettings, fleet_problem, open_engine, open_renderer
+from pipeline.serving.factory import (
+    EngineSettings,
+    fleet_problem,
+    open_engine,
+    open_renderer,
+    renderer_problem,
+)
 from pipeline.serving.proxy import Proxy, ProxySettings
 from pipeline.serving.proxy_workers import ProxyWorkers, Setup
 from pipeline.serving.watchdog import watch_engine
@@ -61,8 +67,9 @@ class ProxyActorSettings(Section):
         if self.engine.kind != "scripted" and not exp.run.model:
             raise ConfigError(f'{exp.source}: [run].model: the {self.engine.kind} engine ([{name}.engine].kind) '
                               "serves the policy in this HF folder; set it")
-        if problem := fleet_problem(self.engine):
-            raise ConfigError(f"{exp.source}: {problem.replace('[engine]', f'[{name}.engine]')}")
+        for problem in (fleet_problem(self.engine), renderer_problem(self.engine, exp.run.model)):
+            if problem:
+                raise ConfigError(f"{exp.source}: {problem.replace('[engine]', f'[{name}.engine]')}")
         if self.workers > 1:
             if self.engine.kind == "scripted":
                 raise ConfigError(f"{exp.source}: [{name}].workers = {self.workers}: the scripted engine lives in the "

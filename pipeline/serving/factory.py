@@ -7,6 +7,7 @@ servers behind a router launched here; or attached to a running server / router)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
@@ -21,7 +22,7 @@ from pipeline.serving.launch import attach, launch_embedded, launch_sglang
 from pipeline.serving.router import RouterSettings, launch_embedded_fleet, launch_router_over
 from pipeline.serving.scripted import ScriptedEngine, load_script
 from pipeline.serving.sglang_client import HttpEngine
-from pipeline.tokens.render import Renderer, load_renderer
+from pipeline.tokens.render import BUILTIN_QWEN, Renderer, load_renderer
 
 
 class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -59,6 +60,23 @@ def fleet_problem(s: EngineSettings) -> str:
     if s.worker_urls and s.kind != "sglang":
         return f"[engine].worker_urls lists SGLang servers; kind = {s.kind!r} does not use them"
     return ""
+
+
+def renderer_problem(s: EngineSettings, model: str) -> str:
+    """What is wrong with rendering ``model``'s prompts with ``s.renderer`` ("" when nothing, or when the model
+    folder is not there yet: a built model appears at its first use). The built-in renderer is Qwen's template and
+    vocabulary; another family's model would be sent ids of a vocabulary it does not have."""
+    if s.renderer.lower() not in BUILTIN_QWEN or not model:
+        return ""
+    try:
+        model_type = str(json.loads((resolve_path(model) / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError):
+        return ""
+    if not model_type or model_type.lower().startswith("qwen"):
+        return ""
+    return (f'[engine].renderer = "{s.renderer}" is the built-in Qwen3 chat template and tokenizer, but the model '
+            f'({model}) is a "{model_type}" model: its prompts would be token ids of another vocabulary. Set '
+            f'[engine].renderer = "{model}" (its own chat template and tokenizer)')
 
 
 def engine_threads(replicas: int) -> int:

@@ -404,13 +404,16 @@ def _model_config(tokenizer: HFTokenizer) -> dict[str, Any]:
     return cfg if isinstance(cfg, dict) else {}
 
 
+BUILTIN_QWEN = ("qwen", "qwen3", "qwen2.5", "builtin:qwen")  # renderer names meaning the built-in Qwen3 one
+
+
 def load_renderer(model: str, *, enable_thinking: bool = True, tool_format: str = "auto") -> Renderer:
     """``"qwen3"`` -> built-in Qwen3 renderer; a local folder -> its HF template (Qwen3-family folders whose
     template renders like ours also get the HF path; pick ``"qwen3"`` for the fast Python renderer).
 
     ``tool_format``: how the model writes tool calls (a name in :data:`pipeline.tokens.toolparse.FORMATS`);
     ``"auto"`` detects it from the folder's chat template and config.json."""
-    if model.lower() in ("qwen", "qwen3", "qwen2.5", "builtin:qwen"):
+    if model.lower() in BUILTIN_QWEN:
         r: Renderer = qwen3_renderer(enable_thinking=enable_thinking)
         if tool_format != "auto":
             r.tool_format = _tool_format(tool_format)

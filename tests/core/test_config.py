@@ -119,6 +119,23 @@ def test_learner_rank_settings_without_ranks_or_with_too_few_gpus_are_refused(tm
     assert says in str(e.value)
 
 
+def test_the_built_in_qwen_renderer_is_refused_for_another_model_family(tmp_path):
+    """Qwen ids sent to a Llama model would train garbage without an error anywhere: refused at validation when the
+    model folder says its family; a folder not built yet, a Qwen one, or the model's own template pass."""
+    quickstart = (cfg.CONFIG_DIR / "quickstart.toml").read_text()
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(cfg.ConfigError) as e:
+        load(tmp_path, quickstart, [f'run.model="{model}"'])
+    assert f'[proxy.engine].renderer = "qwen3" is the built-in Qwen3 chat template and tokenizer, but the model ({model}) ' \
+           'is a "llama" model' in str(e.value) and f'Set [proxy.engine].renderer = "{model}"' in str(e.value)
+    load(tmp_path, quickstart, [f'run.model="{model}"', f'proxy.engine.renderer="{model}"'])
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    load(tmp_path, quickstart, [f'run.model="{model}"'])
+    load(tmp_path, quickstart, [f'run.model="{tmp_path / "not-built-yet"}"'])
+
+
 def test_experiment_name_resolution(tmp_path):
     assert cfg.resolve_experiment_path("toy").name == "toy.toml"
     with pytest.raises(cfg.ConfigError, match="known experiments: .*toy"):
