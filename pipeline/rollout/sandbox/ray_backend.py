@@ -72,6 +72,10 @@ class RaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # cancelled and the rollout is a sandbox_error.
     overhead_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
     node_check_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # how often the node list is read for new nodes
+    # A node keeps each task folder it was sent (unpacked once, under its temp dir's bridle-ray-tasks/) until no
+    # rollout has used it for this long; longer than any rollout (its harness limit + overhead_s) so that a folder
+    # is never removed under one.
+    task_cache_idle_s: Annotated[float, msgspec.Meta(gt=0)] = 6 * 3600.0
 
     def check(self, where: str) -> None:
         if importlib.util.find_spec("ray") is None:
@@ -95,6 +99,7 @@ class NodeJob(msgspec.Struct, kw_only=True):
     relay_dir: str
     task_hash: str  # the task folder archive's sha256: its node-local copy's folder
     task_name: str  # the folder's own name (a task's id may come from it)
+    task_cache_idle_s: float = 6 * 3600.0  # [sandbox.ray] task_cache_idle_s
 
 
 class NodeResult(msgspec.Struct, kw_only=True):
@@ -224,7 +229,8 @@ async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeR
         return failed(f"no proxy relay at {sock} (a node that joined moments ago gets one within "
                       "[sandbox.ray] node_check_s)")
     try:
-        task = await anyio.to_thread.run_sync(_unpacked_task, task_archive, job.task_hash, job.task_name)
+        task = await anyio.to_thread.run_sync(_unpacked_task, task_archive, job.task_hash, job.task_name,
+                                              job.task_cache_idle_s)
     except (OSError, tarfile.TarError, TaskError) as e:
         return failed(f"could not unpack the task: {e}")
     backend = _NodeDocker(job.docker, run_id=job.run_id)
@@ -252,19 +258,38 @@ async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeR
     return out
 
 
-def _unpacked_task(archive: bytes, digest: str, name: str) -> Task:
-    """The task folder from its archive, unpacked once per node into a folder named by its hash."""
-    root = Path(tempfile.gettempdir()) / "bridle-ray-tasks" / digest
+def _unpacked_task(archive: bytes, digest: str, name: str, idle_s: float, cache: Path | None = None) -> Task:
+    """The task folder from its archive, unpacked once per node into a folder named by its hash; its use is marked
+    (mtime) and folders unused for ``idle_s`` go."""
+    cache = cache or Path(tempfile.gettempdir()) / "bridle-ray-tasks"
+    root = cache / digest
     if not root.is_dir():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=root.parent))
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=cache))
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(tmp, filter="data")
         try:
             tmp.rename(root)
         except OSError:  # another rollout of the same task unpacked it meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
+    root.touch()  # in use: the folder's mtime is its last use
+    prune_task_cache(cache, idle_s, keep=root)
     return load_task(root / name)
+
+
+def prune_task_cache(cache: Path, idle_s: float, *, keep: Path) -> list[str]:
+    """Remove the node's task folders (and half-unpacked ones a killed task left) unused for ``idle_s``; their
+    names. Another process may be pruning at the same time: a folder gone meanwhile is skipped."""
+    now, gone = time.time(), []
+    for d in cache.iterdir():
+        try:
+            idle = now - d.stat().st_mtime
+        except OSError:
+            continue
+        if d != keep and idle > idle_s:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d.name)
+    return gone
 
 
 def _tar(root: Path, arcname: str = ".") -> bytes:
@@ -350,7 +375,7 @@ class RayBackend:
         await self._ensure_relays(proxy_url)
         digest, archive = await self._task_archive(task)
         job = NodeJob(request=req, docker=self.docker, run_id=self.run_id, relay_dir=self.settings.relay_dir,
-                      task_hash=digest, task_name=task.root.name)
+                      task_hash=digest, task_name=task.root.name, task_cache_idle_s=self.settings.task_cache_idle_s)
         s = self.settings
         ref = self._remote.options(
             resources={s.resource: 1, **s.resources}, num_cpus=s.num_cpus, max_retries=0, retry_exceptions=False,
