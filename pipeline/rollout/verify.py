@@ -168,17 +168,20 @@ async def run_verifier_local(
     timeout_s: float | None = None,
     *,
     logs_dir: str | Path | None = None,
+    tmp_prefix: str = "bridle-verify-",
 ) -> VerifierResult:
     """Score ``workspace`` with the task's verifier. Call only after the harness has exited.
 
-    ``logs_dir`` receives ``verifier/`` (reward, test-stdout.txt); a temporary one is used when omitted.
+    ``logs_dir`` receives ``verifier/`` (reward, test-stdout.txt); a temporary one is used when omitted. The
+    verifier's own folder (tests, HOME) is a fresh temporary one named ``tmp_prefix...`` (a run's prefix lets its
+    restart remove what a kill -9 left).
     """
     ws = Path(await anyio.Path(workspace).resolve())
     limit_s = timeout_s if timeout_s is not None else task.config.verifier.timeout_sec
     t0 = time.monotonic()
     if not await anyio.Path(ws).is_dir():
         return VerifierResult(status="verifier_error", error=f"workspace {ws} does not exist")
-    with tempfile.TemporaryDirectory(prefix="bridle-verify-") as tmp_s:
+    with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmp_s:
         tests, logs = await anyio.to_thread.run_sync(_lay_out, task, Path(tmp_s), logs_dir)
         # PYTHONSAFEPATH: `python -m` / `-c` from the workspace must not import what the agent left there (as in
         # Docker; a task's [verifier] env may set it otherwise).

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+import tempfile
 import uuid
 from functools import partial
 from pathlib import Path
@@ -170,11 +172,16 @@ async def test_start_reaps_a_crashed_runs_processes_and_workspaces(tmp_path):
     (mine[0] / "app" / "deep").mkdir(parents=True)
     other = rollout_dir(str(work), f"{run}-2", "g00001-r0")
     b = LocalBackend(LocalSettings(workdir=str(work)), run_id=run)
+    # a verifier's folder in the temp dir (its tests and HOME), as a kill -9 mid-verification leaves it
+    verifying = tempfile.mkdtemp(prefix=b._verify_prefix)
+    others_verifier = tempfile.mkdtemp(prefix=LocalBackend(LocalSettings(), run_id=f"{run}-2")._verify_prefix)
     assert leftovers(b) == [proc.pid]
     await b.start()
     await proc.wait()
     assert leftovers(b) == []
     assert list(work.iterdir()) == [other]
+    assert not os.path.exists(verifying) and os.path.isdir(others_verifier)
+    os.rmdir(others_verifier)
     await b.aclose()
 
 

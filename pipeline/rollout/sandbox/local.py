@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
@@ -27,7 +28,7 @@ import anyio
 import msgspec
 
 from pipeline.core.logs import get_logger
-from pipeline.core.runfiles import kill_marked
+from pipeline.core.runfiles import kill_marked, remove_prefixed
 from pipeline.core.runtime import on_emergency
 from pipeline.rollout.harnesses import Launch, LaunchContext, find_binary
 from pipeline.rollout.sandbox.base import (
@@ -38,7 +39,14 @@ from pipeline.rollout.sandbox.base import (
     Verdict,
     VerifierError,
 )
-from pipeline.rollout.sandbox.util import file_tail, parse_size, remove_run_dirs, rmtree, rollout_dir
+from pipeline.rollout.sandbox.util import (
+    file_tail,
+    parse_size,
+    remove_run_dirs,
+    rmtree,
+    rollout_dir,
+    run_prefix,
+)
 from pipeline.rollout.tasks import seed_workspace
 from pipeline.rollout.verify import run_verifier_local
 
@@ -112,7 +120,8 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         """Kill this run's processes and remove its rollout directories, as a crash of it left them; from now on
         a hard exit (a second Ctrl-C) does the same (:meth:`emergency_stop`)."""
         n = kill_marked(f"{MARKER_RUN}={self.run_id}")
-        dirs = 0 if self.settings.keep_workspaces else remove_run_dirs(self.settings.workdir, self.run_id)
+        dirs = len(remove_prefixed(tempfile.gettempdir(), self._verify_prefix))  # verifiers a kill -9 interrupted
+        dirs += 0 if self.settings.keep_workspaces else remove_run_dirs(self.settings.workdir, self.run_id)
         if n or dirs:
             log.warning("reaped_leftovers", run=self.run_id, processes=n, workspaces=dirs)
         self._unregister = on_emergency(self._emergency)
@@ -128,6 +137,11 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         kill_marked(f"{MARKER_RUN}={self.run_id}")
         if not self.settings.keep_workspaces:
             remove_run_dirs(self.settings.workdir, self.run_id)
+
+    @property
+    def _verify_prefix(self) -> str:
+        # "~" never appears in a rollout folder's name (rollout_dir): no rollout folder matches this prefix
+        return f"{run_prefix(self.run_id)}~verify-"
 
     def _binary(self, executable: str) -> str:
         """The harness executable on this host ("" when not found): in harness_bin if set, else find_binary."""
@@ -194,7 +208,8 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
 
     async def verify(self, box: LocalSandbox) -> Verdict:
         assert box.root is not None
-        vr = await run_verifier_local(box.task, box.root / "app", logs_dir=box.root / "logs")
+        vr = await run_verifier_local(box.task, box.root / "app", logs_dir=box.root / "logs",
+                                      tmp_prefix=self._verify_prefix)
         if vr.status != "ok":  # test.sh's own output stays in logs/verifier/test-stdout.txt (keep_workspaces)
             raise VerifierError(vr.error)
         return Verdict(reward=vr.reward, rewards=vr.rewards, summary=vr.summary())
