@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import tempfile
@@ -180,8 +179,8 @@ async def test_start_reaps_a_crashed_runs_processes_and_workspaces(tmp_path):
     await proc.wait()
     assert leftovers(b) == []
     assert list(work.iterdir()) == [other]
-    assert not os.path.exists(verifying) and os.path.isdir(others_verifier)
-    os.rmdir(others_verifier)
+    assert not await anyio.Path(verifying).exists() and await anyio.Path(others_verifier).is_dir()
+    await anyio.Path(others_verifier).rmdir()
     await b.aclose()
 
 
