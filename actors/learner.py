@@ -209,6 +209,11 @@ class LearnerActor(Actor[LearnerSettings]):
         self.log.info("cold-start SFT", packs=len(groups), dropped_packs=ready.dropped, demos=demos,
                       epochs=c.sft_epochs)
         plan = sft_plan(groups, epochs=c.sft_epochs, batch_groups=c.sft_batch_groups, seed=c.train.seed)
+        if c.processes > 1 and max((len(u.packs) for u in plan), default=0) < c.processes:
+            # each pack goes whole to one rank: with fewer packs per update than ranks, some ranks wait
+            self.log.warning("SFT updates hold fewer packs than learner ranks; some ranks idle in the cold start",
+                             packs_per_update=c.sft_batch_groups, ranks=c.processes,
+                             fix=f"[{self.name}].sft_batch_groups >= {c.processes}")
         for update in plan:
             m = await self.learner.sft_step(update.packs)
             # sft_updates: the plan's length, for the monitor's progress
