@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.ci import require
-from tests.helpers.cli import run_py
+from tests.helpers.cli import run_py, run_py_together
 from tests.helpers.docker import docker_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,23 +73,25 @@ def test_mix_cpu_every_harness_through_demonstrations_sft_and_rl_then_replay(tmp
                     and requests[c.rollout_id].harness == h and requests[c.rollout_id].purpose == "train"]
         assert versions and min(versions) >= sft_version, (h, versions)
 
-    r = run("--replay", str(log))
-    assert r.returncode == 0 and all(h in r.stdout for h in HARNESSES), r.stdout[-3000:]
+    # the replays and the evaluation read the run and write elsewhere: side by side
+    summary, trees, learner, r = run_py_together(
+        ["--replay", str(log)],
+        ["--replay", str(log), "--trees"],
+        ["--replay", str(log), "--stage", "learner", "--run-dir", str(tmp_path / "rl")],
+        # the trained policy evaluated through every harness on held-out tasks: in-space and out-of-space columns
+        ["--eval", "--experiment", "mix-cpu", "--checkpoint", str(run_dir), "--run-dir", str(tmp_path / "ev"),
+         "--set", 'monitor.display="off"', "--set", "eval.tasks.count=1", "--set", "eval.samples=1",
+         "--set", "eval.ks=[1]"], timeout=1500)
+    assert summary.returncode == 0 and all(h in summary.stdout for h in HARNESSES), summary.stdout[-3000:]
 
-    r = run("--replay", str(log), "--trees")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "NOT JOINED" not in r.stdout
-    assert all(f"harness {h.split(':')[0]}: rollouts=3" in r.stdout for h in HARNESSES), r.stdout[-3000:]
+    assert trees.returncode == 0, trees.stderr[-3000:]
+    assert "NOT JOINED" not in trees.stdout
+    assert all(f"harness {h.split(':')[0]}: rollouts=3" in trees.stdout for h in HARNESSES), trees.stdout[-3000:]
 
-    r = run("--replay", str(log), "--stage", "learner", "--run-dir", str(tmp_path / "rl"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert learner.returncode == 0, learner.stderr[-3000:]
+    out = json.loads(learner.stdout.strip().splitlines()[-1])
     assert out["batches"]["replayed"] == out["batches"]["recorded"] == out["batches"]["identical"] == 2
 
-    # the trained policy evaluated through every harness on held-out tasks: in-space and out-of-space columns
-    r = run("--eval", "--experiment", "mix-cpu", "--checkpoint", str(run_dir), "--run-dir", str(tmp_path / "ev"),
-            "--set", 'monitor.display="off"', "--set", "eval.tasks.count=1", "--set", "eval.samples=1",
-            "--set", "eval.ks=[1]")
     assert r.returncode == 0, r.stderr[-3000:]
     columns = {ln.split("|")[2].strip() for ln in r.stdout.splitlines() if ln.startswith("| column |")}
     assert columns == {"in-space", "out-of-space"}, r.stdout
