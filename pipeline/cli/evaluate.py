@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +50,22 @@ def _version(info: Path) -> int:
     return int(json.loads(info.read_text())["version"])
 
 
+def _pushed_without_disk(config: Path) -> bool:
+    """Whether the run's resolved config (its run folder's config.toml) has a learner with weight_sync =
+    "distributed"; True when it cannot be read (then the log decides)."""
+    try:
+        raw = tomllib.loads(config.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):
+        return True
+    return any(isinstance(v, dict) and v.get("weight_sync") == "distributed" for v in raw.values())
+
+
 def _warn_if_newer_policy_in_log(run_dir: Path, on_disk: int, folder: Path) -> None:
     """A run that pushed weights without the disk (weight_sync = "distributed") and was killed before its final
     policy was written has a newer policy in its log than in any folder: say so rather than evaluate silently."""
     log = run_dir / "events.msgpack"
-    if not log.is_file():
-        return
+    if not log.is_file() or not _pushed_without_disk(run_dir / "config.toml"):
+        return  # every policy got a folder: the log need not be read (it can be gigabytes)
     last: PolicyUpdated | None = None
     for ev in EventLogReader(log):
         if isinstance(ev.msg, PolicyUpdated):

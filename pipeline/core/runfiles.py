@@ -1,9 +1,9 @@
 """What a run keeps on this host outside its run folder, named so that a restart of the run can find it.
 
 Sandbox workspaces, the proxy's Unix-socket folder, sandbox processes (environment ``BRIDLE_SANDBOX_RUN``), learner
-ranks (environment ``BRIDLE_LEARNER_RANKS``) and containers (label ``bridle.run``) carry the run's :func:`run_tag`. A fresh start and ``run.py --resume`` of the same
-run folder compute the same tag, so each component removes what a crashed (``kill -9``) earlier start of this run
-left before it starts anew, and never touches another run's.
+ranks (environment ``BRIDLE_LEARNER_RANKS``) and containers (label ``bridle.run``) carry the run's :func:`run_tag`.
+A fresh start and ``run.py --resume`` of the same run folder compute the same tag, so each component removes what a
+crashed (``kill -9``) earlier start of this run left before it starts anew, and never touches another run's.
 """
 
 from __future__ import annotations

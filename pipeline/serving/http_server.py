@@ -73,23 +73,26 @@ class Stream:
         self._request = request
         self._conn = request._conn
         self.ended = False
-        chunked = request.keep_alive  # an HTTP/1.0 client reads a stream until the connection closes
-        extra = b"Transfer-Encoding: chunked\r\n" if chunked else b"Connection: close\r\n"
+        # an HTTP/1.0 client reads a stream until the connection closes
+        extra = b"Transfer-Encoding: chunked\r\n" if request.keep_alive else b"Connection: close\r\n"
         self._conn.write(_head(status, headers, extra))
+
+    def _framed(self, data: bytes) -> bytes:
+        if not self._request.keep_alive:  # read until the connection closes: no framing
+            return data
+        return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
 
     def write(self, data: bytes) -> None:
         if data:
-            self._conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._request.keep_alive else data)
+            self._conn.write(self._framed(data))
 
     def end(self, data: bytes = b"") -> None:
         """The rest and the end of the stream, in one write."""
         if self.ended:
             return
         self.ended = True
-        if self._request.keep_alive:
-            self._conn.write((b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n")
-        else:
-            self._conn.write(data)
+        self._conn.write(self._framed(data) + (b"0\r\n\r\n" if self._request.keep_alive else b""))
+        if not self._request.keep_alive:
             self._conn.close()
         self._request.answered = True
 

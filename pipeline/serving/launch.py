@@ -96,12 +96,13 @@ def _kill_group(pid: int) -> None:
 
 @contextlib.asynccontextmanager
 async def process(
-    name: str, cmd: list[str], *, log_path: Path | None, env: dict[str, str] | None = None, actor: str = ""
+    name: str, cmd: list[str], *, log_path: Path | None, env: dict[str, str] | None = None,
+    actor: str = "engine_launch",
 ) -> AsyncIterator[EngineProcess]:
     """Run ``cmd`` in its own process group with its output in ``log_path`` (a temporary file when None, removed
     after a clean stop); terminated (then killed) on exit, also when the run is cancelled. Its start and stop are
-    logged as ``actor``'s (default: engine_launch)."""
-    plog = get_logger(actor=actor) if actor else log
+    logged as ``actor``'s."""
+    plog = get_logger(actor=actor)
     own_log = log_path is None
     if log_path is None:
         fd, tmp = tempfile.mkstemp(prefix=f"bridle-{name}-", suffix=".log")

@@ -12,6 +12,7 @@ from pipeline.training.learner import WEIGHTS_INFO_FILE
 
 
 def _run_dir(tmp_path, folders: list[int], logged: list[int]):
+    (tmp_path / "config.toml").write_text('[learner]\nweight_sync = "distributed"\n')
     for v in folders:
         d = tmp_path / "weights" / f"v{v:05d}"
         d.mkdir(parents=True)
@@ -36,3 +37,13 @@ def test_a_newer_policy_only_in_the_log_is_warned_about(tmp_path):
     (w,) = [x for x in lines if x["log_level"] == "warning"]
     assert (w["logged_version"], w["logged_step"], w["evaluated_version"]) == (3, 2, 1)
     assert "no weights folder" in w["event"]
+
+
+def test_a_run_that_wrote_every_policy_to_disk_is_not_read_for_it(tmp_path):
+    """weight_sync = "disk" gives every policy a folder: the log (possibly gigabytes) is not scanned, so even a log
+    claiming a newer version draws no warning."""
+    run = _run_dir(tmp_path, [1], [1, 2, 3])
+    (run / "config.toml").write_text('[learner]\nweight_sync = "disk"\n')
+    with structlog.testing.capture_logs() as lines:
+        assert latest_weights(run).name == "v00001"
+    assert not [x for x in lines if x["log_level"] == "warning"]
