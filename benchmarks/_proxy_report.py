@@ -30,8 +30,13 @@ def throughput_model(row: dict[str, Any], render_ms: float) -> list[tuple[str, l
         # bridle's event loop and its tokenizer threads (ProxySettings.render_thread_chars) are separate consumers
         ("bridle", [c["client:bridle"], c["engine:bridle"], c["bridle loop"], max(0.0, c["bridle"] - c["bridle loop"])],
          row["bridle"]["rps"]),
-        ("render-only proxy", [c["client:bridle"], c["engine:bridle"], render_ms], None),
     ]
+    # the floor under bridle, measured in its process (benchmarks/proxy.py serve_floor): a Python proxy on the same
+    # server and engine client doing only a call's I/O, and that plus the parse and the render
+    for t, path in (("io", "I/O-only proxy"), ("io_render", "I/O+render proxy")):
+        if f"{t} loop" in c and t in row:
+            out.append((path, [c[f"client:{t}"], c[f"engine:{t}"], c[f"{t} loop"]], row[t]["rps"]))
+    out.append(("render-only proxy", [c["client:bridle"], c["engine:bridle"], render_ms], None))
     if "litellm" in row:
         out.append(("LiteLLM", [c["client:litellm"], c["engine:litellm"], c["litellm"]], row["litellm"]["rps"]))
     return out
@@ -149,6 +154,12 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         kept = 100 * s / ceiling if s is not None and ceiling > 0 else float("nan")
         out.append(f"64 clients: bridle keeps {fmt(kept, 0)} % of that ceiling — goal >= 75 %: "
                    f"{'met' if kept >= 75 else 'MISSED'}")
+        model = by_level[64]["model"]
+        if "I/O+render proxy" in model:
+            io, ior = (model[p]["pct_direct"] for p in ("I/O-only proxy", "I/O+render proxy"))
+            out.append(f"64 clients: a proxy on bridle's server and engine client that only renders and forwards "
+                       f"(no capture) would keep {fmt(100 * ior / ceiling, 0)} % of that ceiling by the model "
+                       f"({fmt(100 * io / ceiling, 0)} % with the I/O alone): the most this design gets here")
         st = share(by_level[64], "bridle", "direct_tok")
         out.append(f"64 clients vs direct+tokenize: bridle keeps {fmt(st, 1)} % of its throughput — "
                    f">= 40 %: {'met' if st is not None and st >= 40 else 'MISSED'}")

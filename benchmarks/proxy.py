@@ -33,7 +33,10 @@ judged against the plain baseline and also reported against direct+tokenize. A t
 machine allows at 16+ clients: a path whose processes (client, engine, proxy: one event loop each) spend CPU
 c_i per request serves at most min(cores / sum c_i, 1 / max c_i) requests/s; it reproduces the measured rates, and
 with the proxy's CPU replaced by bridle's render time it gives the ceiling for any proxy that must send token
-ids, here and with a core per process. Another table says where the time goes: CPU seconds per request of each
+ids, here and with a core per process. Two more targets, served by bridle's process on its event loop, give the
+floor under it (``serve_floor``): the same HTTP server and engine client doing only a call's I/O (``io``), and
+that plus the JSON, conversion and render (``io_render``): what a proxy on this I/O keeps of the ceiling with
+capture for free. Another table says where the time goes: CPU seconds per request of each
 server process and of bridle's event loop alone (from /proc, so it holds on a busy machine where wall-clock
 numbers swing) and bridle's per-call phases from ``ModelCall.timings``. ``--render-thread-chars`` sets bridle's
 ``ProxySettings.render_thread_chars`` (1: tokenize every call in a worker thread, 0: never). Wall-clock numbers
@@ -81,6 +84,8 @@ from _proxy_workload import MODEL, build_prompt, chat_body, offline_render_ms, r
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve()
 LITELLM_DEFAULT = Path("/work/venv-litellm/bin/litellm")
+FLOOR_TARGETS = ("io", "io_render")  # served by bridle's process on its event loop (serve_floor)
+LOOP_TARGETS = ("bridle", *FLOOR_TARGETS)  # targets whose loop thread's CPU is read
 
 def client_main(args: argparse.Namespace) -> None:
     url, token_file, prompt_file = args.client
@@ -121,8 +126,9 @@ async def serve_bridle(port: int, engine_url: str, rollouts: int, render_thread_
     proxy = Proxy(engine, qwen3_renderer(), emit, settings)
     await proxy.start()
     tokens = [proxy.open_rollout(f"bench-{i}") for i in range(rollouts)]
-    print("BRIDLE-READY " + json.dumps({"base_url": proxy.base_url, "tokens": tokens, "pid": os.getpid()}),
-          flush=True)
+    floor = await serve_floor(engine, proxy.renderer)
+    print("BRIDLE-READY " + json.dumps({"base_url": proxy.base_url, "tokens": tokens, "pid": os.getpid(),
+                                        "floor_url": floor[0]}), flush=True)
     try:
         while True:  # commands from the parent on stdin; EOF ends the server
             line = (await anyio.to_thread.run_sync(sys.stdin.readline)).strip()
@@ -131,8 +137,47 @@ async def serve_bridle(port: int, engine_url: str, rollouts: int, render_thread_
             if line == "stats":
                 print("BRIDLE-STATS " + json.dumps({**stats, "render_seconds": proxy.render_seconds}), flush=True)
     finally:
+        await floor[1].close()
         await proxy.stop()
         await engine.aclose()
+
+
+async def serve_floor(engine: Any, renderer: Any) -> tuple[str, Any]:
+    """The floor under the bridle proxy, in its process and on its event loop: the same HTTP server and engine client
+    doing only the I/O of a call (``/io``: the body is read, not parsed; fixed prompt ids go to the engine; a fixed
+    three-event stream comes back in one write), and that plus the JSON, the conversion and the render (``/io_render``). Nothing
+    is recorded, authenticated or spliced. (base URL, server)."""
+    import numpy as np
+
+    from pipeline.serving.engine import EngineSampling
+    from pipeline.serving.http_server import HttpServer, Response
+    from pipeline.tokens.from_wire import from_chat
+
+    sampling = EngineSampling(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=16, stop_token_ids=(151645,),
+                              seed=None)
+    chunk = (b'data: {"id":"chatcmpl-floor","object":"chat.completion.chunk","model":"policy","choices":[{"index":0,'
+             b'"delta":{"content":"OK"},"finish_reason":null}]}\n\n')
+    answer = chunk + chunk.replace(b'"content":"OK"', b'"content":""') + b"data: [DONE]\n\n"
+    fixed: list[Any] = []  # the first request's ids: what /io sends every time
+
+    async def call(request: Any, ids: Any) -> Any:
+        await engine.generate(ids, sampling, rid=os.urandom(8).hex())
+        return Response(200, answer, content_type="text/event-stream")  # the whole stream in one write
+
+    async def io(request: Any) -> Any:
+        if not fixed:
+            fixed.append(np.asarray(renderer.render_ids(from_chat(json.loads(request.body))), dtype=np.int32))
+        return await call(request, fixed[0])
+
+    async def io_render(request: Any) -> Any:
+        import orjson
+
+        return await call(request, renderer.render_ids(from_chat(orjson.loads(request.body))))
+
+    server = HttpServer({("POST", "/io/v1/chat/completions"): io, ("POST", "/io_render/v1/chat/completions"): io_render},
+                        max_body_bytes=64 << 20)
+    port = await server.listen_tcp("127.0.0.1", 0)
+    return f"http://127.0.0.1:{port}", server
 
 
 @contextlib.contextmanager
@@ -336,8 +381,10 @@ def start_servers(args: argparse.Namespace, ids: list[int], litellm_bin: str | N
         "direct": (engine_url + "/v1/chat/completions", "-"),
         "direct_tok": (engine_url + "/tokenize/v1/chat/completions", "-"),
         "bridle": (ready["base_url"] + "/v1/chat/completions", str(bridle_tokens)),
+        # the floor under bridle (serve_floor), in bridle's process
+        **{t: (f"{ready['floor_url']}/{t}/v1/chat/completions", "-") for t in FLOOR_TARGETS},
     }
-    procs = {"engine": engine, "bridle": bridle}
+    procs = {"engine": engine, "bridle": bridle, **{t: bridle for t in FLOOR_TARGETS}}
     litellm_failed = ""
     if litellm_bin:
         try:
@@ -363,6 +410,7 @@ class LevelTally:
         self.cpu: dict[str, float] = {k: 0.0 for k in [*servers.procs, *("engine:" + t for t in targets),
                                                        *("client:" + t for t in targets), "bridle loop"]
                                       if k != "engine"}
+        self.cpu.update({f"{t} loop": 0.0 for t in FLOOR_TARGETS})
         self.cpu_n: dict[str, int] = {k: 0 for k in self.cpu}
         self.phases = {"render_seconds": 0.0, "calls": 0, "pre_s": 0.0, "engine_s": 0.0, "post_s": 0.0}
 
@@ -402,12 +450,12 @@ def measure_target(args: argparse.Namespace, servers: Servers, prompt_file: Path
     if target == "bridle":
         before = servers.bridle_stats()
     cpu0 = servers.cpu_seconds()
-    loop0 = main_thread_cpu_seconds(pid) if target == "bridle" else 0.0
+    loop0 = main_thread_cpu_seconds(pid) if target in LOOP_TARGETS else 0.0
     r = run_level(url, tok, prompt_file, level, requests, f"{level}-{target}-{rnd}", args.max_tokens, args.turns)
     cpu1 = servers.cpu_seconds()
     done = r["errors"] + len(r["latencies"]) + warmup_requests(level, args.turns)  # warm-up counts
-    if target == "bridle":
-        tally.add_cpu("bridle loop", main_thread_cpu_seconds(pid) - loop0, done)
+    if target in LOOP_TARGETS:
+        tally.add_cpu(f"{target} loop", main_thread_cpu_seconds(pid) - loop0, done)
     # CPU per request of the server in the path: the proxy for bridle/LiteLLM, the engine always
     if target in procs:
         tally.add_cpu(target, cpu1[target] - cpu0[target], done)

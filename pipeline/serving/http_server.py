@@ -69,13 +69,13 @@ class Stream:
 
     __slots__ = ("_conn", "_request", "ended")
 
-    def __init__(self, request: Request, status: int, headers: dict[str, str]) -> None:
+    def __init__(self, request: Request, status: int, headers: dict[str, str], first: bytes = b"") -> None:
         self._request = request
         self._conn = request._conn
         self.ended = False
         # an HTTP/1.0 client reads a stream until the connection closes
         extra = b"Transfer-Encoding: chunked\r\n" if request.keep_alive else b"Connection: close\r\n"
-        self._conn.write(_head(status, headers, extra))
+        self._conn.write(_head(status, headers, extra) + self._framed(first))
 
     def _framed(self, data: bytes) -> bytes:
         if not self._request.keep_alive:  # read until the connection closes: no framing
@@ -118,10 +118,11 @@ class Request:
     def disconnected(self) -> bool:
         return self._conn.closed
 
-    def stream(self, status: int, headers: dict[str, str]) -> Stream:
-        """Send a streamed answer's head now (raises ConnectionError when the client is gone)."""
+    def stream(self, status: int, headers: dict[str, str], first: bytes = b"") -> Stream:
+        """Send a streamed answer's head now, and its ``first`` chunk in the same write (raises ConnectionError
+        when the client is gone)."""
         self._conn.check()
-        return Stream(self, status, headers)
+        return Stream(self, status, headers, first)
 
     def send(self, resp: Response) -> Response:
         """Write ``resp`` now, raising ConnectionError when the client is gone; the server then sends nothing."""

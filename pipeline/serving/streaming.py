@@ -44,8 +44,7 @@ async def watch_engine(
             if not gone and stream:
                 try:
                     if resp is None:
-                        resp = request.stream(200, SSE_HEADERS)
-                        resp.write(proto.stream_open(sstate))
+                        resp = request.stream(200, SSE_HEADERS, proto.stream_open(sstate))
                     if loop.time() >= next_keepalive:
                         next_keepalive = loop.time() + keepalive_s
                         resp.write(proto.keepalive(sstate))

@@ -52,6 +52,24 @@ def test_throughput_model_by_hand():
     assert model["render-only proxy"] == [0.25, 0.35, 0.4]
     assert b.bound_rps(model["render-only proxy"], 2) == pytest.approx(2000)
 
+    # the floor under bridle: its loop alone is the proxy's CPU
+    row["cpu_ms"] |= {"client:io_render": 0.2, "engine:io_render": 0.3, "io_render loop": 0.5}
+    row["io_render"] = {"rps": 1800.0}
+    model = {path: parts for path, parts, _ in b.throughput_model(row, render_ms=0.4)}
+    assert model["I/O+render proxy"] == [0.2, 0.3, 0.5] and "I/O-only proxy" not in model
+
+
+def test_floor_verdict_by_hand():
+    """The verdict says how much of the ceiling the I/O+render floor keeps: 1000 of 2000 req/s here."""
+    b = _report()
+    model = {"render-only proxy": {"pct_direct": 40.0}, "I/O-only proxy": {"pct_direct": 80.0},
+             "I/O+render proxy": {"pct_direct": 20.0}}
+    row = {"level": 64, "model": model, "direct": {"rps": 5000.0}, "bridle": {"rps": 1000.0},
+           "direct_tok": {"rps": 2000.0}}
+    lines = b.verdicts([row])
+    assert "bridle keeps 50 % of that ceiling — goal >= 75 %: MISSED" in lines[1]
+    assert "would keep 50 % of that ceiling by the model (200 % with the I/O alone)" in lines[2]
+
 
 def test_short_run_end_to_end(tmp_path):
     out = tmp_path / "proxy.json"
@@ -64,11 +82,12 @@ def test_short_run_end_to_end(tmp_path):
     data = json.loads(out.read_text())
     assert [r["level"] for r in data["rows"]] == [1, 16]
     for r in data["rows"]:
-        for target in ("direct", "direct_tok", "bridle"):
+        for target in ("direct", "direct_tok", "bridle", "io", "io_render"):
             assert r[target]["errors"] == 0 and r[target]["n"] >= 48, (target, r[target])
         assert r["render_ms"] > 0 and r["cpu_ms"]["bridle"] > 0 and r["cpu_ms"]["client:bridle"] > 0
     level16 = data["rows"][1]
-    assert set(level16["model"]) == {"direct", "bridle", "render-only proxy"}
+    # the floor under bridle (its server and engine client doing only the I/O, then also the render) is modelled
+    assert set(level16["model"]) == {"direct", "bridle", "I/O-only proxy", "I/O+render proxy", "render-only proxy"}
     assert all(v["rps"] > 0 for v in level16["model"].values())
     for marker in ("Proxy overhead", "direct+tokenize", "Where the time goes", "Throughput model", "1 client: bridle adds"):
         assert marker in proc.stdout, marker
