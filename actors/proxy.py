@@ -75,10 +75,12 @@ class ProxyActorSettings(Section):
                 raise ConfigError(f"{exp.source}: [{name}].workers = {self.workers}: the scripted engine lives in the "
                                   "proxy's process, which workers cannot reach; use workers = 1 with it")
             sandbox = exp.kind_section("sandbox")
-            if sandbox is not None and getattr(sandbox[1], "backend", "") == "ray":
-                raise ConfigError(f'{exp.source}: [{name}].workers = {self.workers} with [{sandbox[0]}] backend = '
-                                  '"ray": the Ray relays reach one proxy address; use workers = 1, or the local '
-                                  "or docker backend")
+            if (sandbox is not None and getattr(sandbox[1], "backend", "") == "ray"
+                    and sandbox[1].ray.proxy_address):
+                raise ConfigError(f"{exp.source}: [{name}].workers = {self.workers} with [{sandbox[0]}.ray] "
+                                  f"proxy_address = {sandbox[1].ray.proxy_address!r}: that is one host:port, and each "
+                                  f"worker listens on its own ([{name}] port + its index); leave proxy_address empty "
+                                  f"and set [{name}] host to an address the Ray nodes reach")
 
 
 class ProxyActor(Actor[ProxyActorSettings]):

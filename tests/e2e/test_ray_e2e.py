@@ -1,6 +1,6 @@
 """The Docker quickstart across a real two-node Ray cluster on this machine (head and worker: separate raylets),
-shortened, through the ray sandbox backend: rollouts run on both nodes, each node's sandboxes reaching the proxy
-through that node's relay; then the worker node is killed (its whole process group: raylet, workers, relay) while a
+shortened, through the ray sandbox backend with two proxy workers: rollouts run on both nodes, each node's sandboxes
+reaching their rollout's proxy worker through that node's relay (a socket per worker); then the worker node is killed (its whole process group: raylet, workers, relay) while a
 sandbox of it runs. Its rollouts end as sandbox_error and the run completes on the head node.
 
 Needs Docker and Ray: skipped on a laptop without them, required in CI.
@@ -20,8 +20,8 @@ import pytest
 
 from pipeline.core.eventlog import EventLogReader
 from pipeline.core.runfiles import run_tag
-from pipeline.messages import RolloutFinished
-from pipeline.rollout.sandbox.ray_backend import relay_socket
+from pipeline.messages import RolloutFinished, RolloutRequest
+from pipeline.rollout.sandbox.ray_backend import relay_folder
 from tests.helpers.ci import require
 from tests.helpers.docker import containers_of
 from tests.rollout.conftest import images  # noqa: F401 (the fixture: the white-box image, or skip / fail)
@@ -61,7 +61,7 @@ def test_quickstart_on_two_ray_nodes_survives_losing_the_worker(cluster, tmp_pat
         f'run.model="{tmp_path / "model"}"', "experiment.build_model.tasks=60",
         "scheduler.sft_groups=4", "tree.sft_pack=4", "learner.sft_epochs=1",
         "run.steps=3", "scheduler.group_size=3", "run.groups_per_step=2", "scheduler.tasks.count=40",
-        'monitor.display="off"', 'sandbox.backend="ray"', f'sandbox.ray.address="{cluster.address}"',
+        'monitor.display="off"', 'sandbox.backend="ray"', "proxy.workers=2", f'sandbox.ray.address="{cluster.address}"',
         f'sandbox.docker.workdir="{tmp_path / "work"}"', 'sandbox.docker.build_network="none"',
     ]
     args = [sys.executable, "run.py", "--experiment", "docker", "--run-dir", str(run_dir), "--no-watch"]
@@ -92,12 +92,18 @@ def test_quickstart_on_two_ray_nodes_survives_losing_the_worker(cluster, tmp_pat
     ran = [e for e in log if e.get("event") == "ray_rollout"]
     assert {e["node"] for e in ran} == {nodes["head"], nodes["worker"]}
     assert any(e["node"] == nodes["worker"] and e["status"] == "ok" for e in ran)  # it reached the proxy
-    relays = {e["node"] for e in log if e.get("event") == "relay_started"}
-    assert relays == {nodes["head"], nodes["worker"]}
+    # each node's relay serves both proxy workers (a socket per worker's port)
+    relays = {(e["node"], e["proxy"]) for e in log if e.get("event") == "relay_started"}
+    assert {n for n, _ in relays} == {nodes["head"], nodes["worker"]}
+    assert all(len({p for m, p in relays if m == n}) == 2 for n in nodes.values()), relays
     lost = {e["rollout"] for e in log if e.get("event") == "ray_rollout_lost"}
     assert lost, "no rollout was lost with the worker"
-    finished = {e.msg.rollout_id: e.msg for e in EventLogReader(run_dir / "events.msgpack")
-                if isinstance(e.msg, RolloutFinished)}
+    msgs = [e.msg for e in EventLogReader(run_dir / "events.msgpack")]
+    finished = {m.rollout_id: m for m in msgs if isinstance(m, RolloutFinished)}
+    # rollouts were routed to both workers, and each worker's rollouts got through to it from a node
+    worker_of = {m.rollout_id: m.proxy.worker for m in msgs if isinstance(m, RolloutRequest) and m.proxy}
+    ok = [e["rollout"] for e in ran if e["status"] == "ok"]
+    assert {worker_of[r] for r in ok} == {0, 1}
     assert all(finished[r].status == "sandbox_error" for r in lost)
     assert all("node was lost" in finished[r].details for r in lost)
     # After the loss, every rollout ran on the head node.
@@ -110,7 +116,7 @@ def test_quickstart_on_two_ray_nodes_survives_losing_the_worker(cluster, tmp_pat
     # on that node reaps. Removed here, for this machine.
     for cid in containers_of(run_tag(run_dir)):
         subprocess.run(["docker", "rm", "-f", cid], capture_output=True, check=False)
-    shutil.rmtree(relay_socket("", run_tag(run_dir), nodes["worker"]).parent, ignore_errors=True)
+    shutil.rmtree(relay_folder("", run_tag(run_dir), nodes["worker"]), ignore_errors=True)
 
 
 def _worker_sandbox_running(node_id: str, run: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
@@ -103,6 +104,69 @@ async def test_a_sandbox_on_the_worker_reaches_the_proxy_only_through_its_relay(
     assert report["outside"] != "reached", report
     assert list(node_work.iterdir()) == []
     assert containers_of("raytest1") == []
+
+
+# Run as the oracle's solve.sh: the proxy behind /run/bridle/proxy.sock (the forwarder's 127.0.0.1:8080) is asked to
+# count tokens with this rollout's token and with the other proxy's, which only the other proxy knows.
+WHO = r"""
+ask() { python3 - "$1" <<'PY'
+import json, sys, urllib.error, urllib.request
+req = urllib.request.Request("http://127.0.0.1:8080/v1/messages/count_tokens", method="POST",
+    data=json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+    headers={"x-api-key": sys.argv[1], "content-type": "application/json"})
+try:
+    print(urllib.request.urlopen(req, timeout=10).status)
+except urllib.error.HTTPError as e:
+    print(e.code)
+PY
+}
+echo "{\"own\": $(ask {own}), \"other\": $(ask {other})}" > /app/who.json
+"""
+
+
+def who_task(tmp: Path, name: str, own: str, other: str) -> Task:
+    spec = generate("create_file", 0)
+    solve = "#!/usr/bin/env bash\n" + WHO.replace("{own}", own).replace("{other}", other)
+    return materialize(msgspec.structs.replace(spec, solution={"solve.sh": solve}), tmp / name)
+
+
+async def test_rollouts_of_two_proxy_workers_each_reach_their_own_through_one_relay(cluster, tmp_path):
+    """[proxy] workers = 2: each worker has its own port, so a node's relay serves a socket per worker and a
+    rollout's container gets its own worker's. Two proxies stand for the workers; each knows only its rollout's
+    token, so a 200 for the rollout's token and a 401 for the other's proves whom the socket reached."""
+    nodes = cluster.node_ids()
+    back = tmp_path / "back"
+    settings = RaySettings(address=cluster.address, resources={"node_worker": 1}, workspaces=str(back))
+    backend = RayBackend(settings, DockerSettings(**OFFLINE, workdir=str(tmp_path / "node-work"), keep_workspaces=True),
+                         run_id="raytest2")
+    await backend.start()
+    try:
+        async with (running_proxy(host="0.0.0.0") as (a, _, tok_a),
+                    running_proxy(host="0.0.0.0") as (b, _, tok_b)):
+            runs = []
+            for name, proxy, own, other in (("a", a, tok_a, tok_b), ("b", b, tok_b, tok_a)):
+                task = who_task(tmp_path, name, own, other)
+                req = RolloutRequest(rollout_id=f"r-{name}", group_id="g", index=0, group_size=1, task_id=task.id,
+                                     harness="oracle", token=own, policy_version=0, timeout_s=120.0)
+                runs.append((name, req, task, proxy))
+            fins = {}
+            async with anyio.create_task_group() as tg:
+                async def one(name: str, req: RolloutRequest, task: Task, proxy) -> None:
+                    fins[name] = await backend.run(req, task, proxy_url=proxy.base_url)
+                for r in runs:
+                    tg.start_soon(one, *r)
+            stats = await backend.relay_stats()
+            ports = {name: int(proxy.base_url.rsplit(":", 1)[1]) for name, _, _, proxy in runs}
+    finally:
+        await backend.aclose()
+    assert all(f.status == "ok" for f in fins.values()), {k: f.details for k, f in fins.items()}
+    for kept in back.iterdir():
+        assert json.loads((kept / "app" / "who.json").read_text()) == {"own": 200, "other": 401}
+    assert len(list(back.iterdir())) == 2
+    # every node's relay serves both proxies; the worker's carried the calls of each through its own socket
+    assert stats[nodes["worker"]]["by_port"] == {ports["a"]: 2, ports["b"]: 2}
+    assert stats[nodes["head"]]["connections"] == 0
+    assert containers_of("raytest2") == []
 
 
 def test_the_config_refuses_what_the_ray_backend_cannot_do(tmp_path):

@@ -161,7 +161,9 @@ async def test_a_worker_that_dies_fails_the_run_with_its_log(tmp_path):
 
 @pytest.mark.parametrize(("extra", "match"), [
     (['proxy.engine.kind="scripted"', 'proxy.engine.script="x.json"'], "scripted engine lives in the proxy's process"),
-    (['sandbox.backend="ray"'], "the Ray relays reach one proxy address"),
+    # the Ray relays serve a socket per worker, each dialling the worker's own port: one fixed address cannot
+    (['sandbox.backend="ray"', 'sandbox.ray.proxy_address="10.0.0.1:8000"'],
+     r"proxy_address = '10.0.0.1:8000': that is one host:port, and each worker listens on its own"),
 ])
 def test_the_config_refuses_workers_where_a_rollout_could_not_reach_its_worker(extra, match):
     from actors import REGISTRY
@@ -171,3 +173,13 @@ def test_the_config_refuses_workers_where_a_rollout_could_not_reach_its_worker(e
     cfg.load_experiment("quickstart", make_resolver(REGISTRY), ["proxy.workers=1", *extra])  # one proxy: fine
     with pytest.raises(cfg.ConfigError, match=match):
         cfg.load_experiment("quickstart", make_resolver(REGISTRY), ["proxy.workers=2", *extra])
+
+
+def test_workers_with_the_ray_backend_pass_the_config_check():
+    from actors import REGISTRY
+    from pipeline.core import config as cfg
+    from pipeline.core.runtime import make_resolver
+
+    exp = cfg.load_experiment("quickstart", make_resolver(REGISTRY),
+                              ["proxy.workers=2", 'sandbox.backend="ray"', 'proxy.host="0.0.0.0"'])
+    assert exp.section("proxy").workers == 2

@@ -9,11 +9,13 @@ result), the node it ran on and, with ``keep_workspaces``, the rollout's folder 
 transcript) as a tar archive, unpacked on this machine. Nothing goes through a shared disk.
 
 The proxy: every node with the resource gets one :class:`Relay` actor (pinned to it by node affinity) that listens
-on a Unix socket in a node-local folder and relays each connection's bytes to the proxy's TCP address; that socket
-is what the node's containers get mounted as ``/run/bridle/proxy.sock``, so a container reaches the proxy through
-its node's relay and nothing else. The rollout token still authenticates every call at the proxy. Relays are made
-for the nodes that are there when rollouts start and for nodes that join later (the node list is read again every
-``node_check_s``).
+on a Unix socket in a node-local folder per proxy address (one per ``[proxy] workers``: each worker has its own
+port, and a rollout's calls go to the worker that owns it) and relays each connection's bytes to that TCP address;
+the socket of the rollout's worker is what its container gets mounted as ``/run/bridle/proxy.sock``, so a container
+reaches its proxy worker through its node's relay and nothing else. The rollout token still authenticates every call
+at the proxy. Relays are made for the nodes that are there when rollouts start and for nodes that join later (the
+node list is read again every ``node_check_s``); a relay listens for a proxy address the first time a rollout needs
+it.
 
 Node loss: a rollout's task is never retried (``max_retries=0``: a rollout must not run twice against the proxy);
 a task whose node or worker died ends as ``sandbox_error`` with Ray's reason, and the run goes on with the nodes
@@ -97,6 +99,7 @@ class NodeJob(msgspec.Struct, kw_only=True):
     docker: DockerSettings
     run_id: str
     relay_dir: str
+    proxy_port: int  # the proxy (worker) the rollout talks to: which of its node's relay sockets it gets
     task_hash: str  # the task folder archive's sha256: its node-local copy's folder
     task_name: str  # the folder's own name (a task's id may come from it)
     task_cache_idle_s: float = 6 * 3600.0  # [sandbox.ray] task_cache_idle_s
@@ -127,10 +130,14 @@ def split_address(address: str, where: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def relay_socket(relay_dir: str, run_id: str, node_id: str) -> Path:
-    """The relay's socket on its node (short: a Unix socket's path must stay under 108 bytes)."""
-    base = Path(relay_dir or tempfile.gettempdir())
-    return base / f"bridle-relay-{safe_name(run_id, 24)}-{node_id[:12]}" / "proxy.sock"
+def relay_folder(relay_dir: str, run_id: str, node_id: str) -> Path:
+    """The folder of a node's relay sockets (short: a Unix socket's path must stay under 108 bytes)."""
+    return Path(relay_dir or tempfile.gettempdir()) / f"bridle-relay-{safe_name(run_id, 24)}-{node_id[:12]}"
+
+
+def relay_socket(relay_dir: str, run_id: str, node_id: str, port: int) -> Path:
+    """The node's relay socket for the proxy (worker) at ``port``."""
+    return relay_folder(relay_dir, run_id, node_id) / f"proxy-{port}.sock"
 
 
 def relay_name(run_id: str, node_id: str) -> str:
@@ -138,41 +145,51 @@ def relay_name(run_id: str, node_id: str) -> str:
 
 
 class Relay:
-    """One per node (a Ray actor): the node's containers' Unix socket, each connection relayed to the proxy's TCP
-    address byte for byte (the proxy authenticates each call by its rollout token)."""
+    """One per node (a Ray actor): the node's containers' Unix sockets, one per proxy address, each connection
+    relayed to its address byte for byte (the proxy authenticates each call by its rollout token)."""
 
-    def __init__(self, path: str, host: str, port: int, connect_timeout_s: float):
-        self.path, self.host, self.port, self.connect_timeout_s = Path(path), host, port, connect_timeout_s
+    def __init__(self, folder: str, connect_timeout_s: float):
+        self.folder, self.connect_timeout_s = Path(folder), connect_timeout_s
         self.counts = {"connections": 0, "failed": 0, "bytes_up": 0, "bytes_down": 0}
-        self._listener: anyio.abc.SocketListener | None = None
+        self.by_port: dict[int, int] = {}  # connections per proxy port
+        self._listeners: dict[tuple[str, int], tuple[anyio.abc.SocketListener, Any]] = {}
 
-    async def start(self) -> str:
-        """Listen (the socket open to every uid: the harness runs as its own); returns the socket's path."""
+    async def serve(self, host: str, port: int) -> str:
+        """Listen for the proxy at host:port (once; the socket open to every uid: the harness runs as its own);
+        returns the socket's path."""
         import asyncio
+        from functools import partial
 
-        self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        self.path.unlink(missing_ok=True)
-        self._listener = await anyio.create_unix_listener(self.path, mode=0o666)
+        path = self.folder / f"proxy-{port}.sock"
+        if (host, port) in self._listeners:
+            return str(path)
+        if any(p == port for _, p in self._listeners):
+            raise ValueError(f"relay {self.folder}: port {port} is already relayed to another host")
+        self.folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        listener = await anyio.create_unix_listener(path, mode=0o666)
         # The actor's event loop keeps the accept loop going between method calls.
-        self._serving = asyncio.get_running_loop().create_task(self._listener.serve(self._relay))
-        return str(self.path)
+        task = asyncio.get_running_loop().create_task(listener.serve(partial(self._relay, host, port)))
+        self._listeners[(host, port)] = (listener, task)
+        return str(path)
 
-    async def stats(self) -> dict[str, int]:
-        return dict(self.counts)
+    async def stats(self) -> dict[str, Any]:
+        return {**self.counts, "by_port": dict(self.by_port)}
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            self._serving.cancel()
-            await self._listener.aclose()
-            self._listener = None
-        shutil.rmtree(self.path.parent, ignore_errors=True)
+        for listener, task in self._listeners.values():
+            task.cancel()
+            await listener.aclose()
+        self._listeners.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
-    async def _relay(self, client: anyio.abc.SocketStream) -> None:
+    async def _relay(self, host: str, port: int, client: anyio.abc.SocketStream) -> None:
         self.counts["connections"] += 1
+        self.by_port[port] = self.by_port.get(port, 0) + 1
         async with client:
             try:
                 with anyio.fail_after(self.connect_timeout_s):
-                    upstream = await anyio.connect_tcp(self.host, self.port)
+                    upstream = await anyio.connect_tcp(host, port)
             except (OSError, TimeoutError):
                 self.counts["failed"] += 1  # the harness sees its connection closed, as when the proxy is down
                 return
@@ -224,7 +241,7 @@ async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeR
                               details=f"node {node_id[:12]}: {details}")
         return NodeResult(finished=fin, node_id=node_id)
 
-    sock = relay_socket(job.relay_dir, job.run_id, node_id)
+    sock = relay_socket(job.relay_dir, job.run_id, node_id, job.proxy_port)
     if not await anyio.Path(sock).exists():
         return failed(f"no proxy relay at {sock} (a node that joined moments ago gets one within "
                       "[sandbox.ray] node_check_s)")
@@ -311,6 +328,7 @@ class RayBackend:
         self._remote: Any = None
         self._owns_ray = False
         self._relays: dict[str, Any] = {}  # node id -> its Relay actor
+        self._relayed: dict[str, set[tuple[str, int]]] = {}  # node id -> the proxy addresses its relay serves
         self._listed = -float("inf")
         self._relay_lock = anyio.Lock()
         self._tasks: dict[Path, tuple[str, Any]] = {}  # task folder -> (archive hash, its object ref)
@@ -353,12 +371,14 @@ class RayBackend:
                         log.info("relay_lost", node=node_id, error=type(e).__name__)
                 ray.kill(relay)
             self._relays.clear()
+            self._relayed.clear()
             if self._owns_ray:
                 await anyio.to_thread.run_sync(ray.shutdown)
                 self._owns_ray = False
 
-    async def relay_stats(self) -> dict[str, dict[str, int]]:
-        """Each relay's counters, by node id (the nodes still alive)."""
+    async def relay_stats(self) -> dict[str, dict[str, Any]]:
+        """Each relay's counters (and connections per proxy port, ``by_port``), by node id (the nodes still
+        alive)."""
         ray = _ray()
         out = {}
         for node_id, relay in self._relays.items():
@@ -369,13 +389,13 @@ class RayBackend:
         return out
 
     async def run(self, req: RolloutRequest, task: Task, *, proxy_url: str, proxy_socket: str = "") -> RolloutFinished:
-        """One rollout on a node Ray picks. ``proxy_url``: the proxy's TCP address (what the relays dial);
-        ``proxy_socket`` is this machine's and unused."""
+        """One rollout on a node Ray picks. ``proxy_url``: the TCP address of the proxy (worker) that owns the
+        rollout (what the relays dial); ``proxy_socket`` is this machine's and unused."""
         ray = _ray()
-        await self._ensure_relays(proxy_url)
+        _, port = await self._ensure_relays(proxy_url)
         digest, archive = await self._task_archive(task)
         job = NodeJob(request=req, docker=self.docker, run_id=self.run_id, relay_dir=self.settings.relay_dir,
-                      task_hash=digest, task_name=task.root.name, task_cache_idle_s=self.settings.task_cache_idle_s)
+                      proxy_port=port, task_hash=digest, task_name=task.root.name, task_cache_idle_s=self.settings.task_cache_idle_s)
         s = self.settings
         ref = self._remote.options(
             resources={s.resource: 1, **s.resources}, num_cpus=s.num_cpus, max_retries=0, retry_exceptions=False,
@@ -418,38 +438,45 @@ class RayBackend:
             self._tasks[task.root] = (hashlib.sha256(data).hexdigest()[:32], _ray().put(data))
         return self._tasks[task.root]
 
-    async def _ensure_relays(self, proxy_url: str) -> None:
-        """A relay on every alive node with the resource (read again every ``node_check_s``)."""
-        if time.monotonic() - self._listed < self.settings.node_check_s:
-            return
+    async def _ensure_relays(self, proxy_url: str) -> tuple[str, int]:
+        """A relay on every alive node with the resource (the node list read again every ``node_check_s``),
+        listening for the proxy at ``proxy_url``; that proxy's (host, port) as the relays dial it."""
+        target = self._proxy_address(proxy_url)
+        if (time.monotonic() - self._listed < self.settings.node_check_s
+                and all(target in self._relayed[n] for n in self._relays)):
+            return target
         async with self._relay_lock:
-            if time.monotonic() - self._listed < self.settings.node_check_s:
-                return
             ray = _ray()
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            host, port = self._proxy_address(proxy_url)
-            nodes = await anyio.to_thread.run_sync(ray.nodes)
-            for n in nodes:
-                node_id = n["NodeID"]
-                if not n["Alive"] or n["Resources"].get(self.settings.resource, 0) <= 0 or node_id in self._relays:
+            if time.monotonic() - self._listed >= self.settings.node_check_s:
+                nodes = await anyio.to_thread.run_sync(ray.nodes)
+                for n in nodes:
+                    if n["Alive"] and n["Resources"].get(self.settings.resource, 0) > 0 and n["NodeID"] not in self._relays:
+                        self._new_relay(n["NodeID"])
+                self._listed = time.monotonic()
+            for node_id, relay in list(self._relays.items()):
+                if target in self._relayed[node_id]:
                     continue
-                relay = self._relay_actor.options(
-                    name=relay_name(self.run_id, node_id), num_cpus=0, max_restarts=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                ).remote(str(relay_socket(self.settings.relay_dir, self.run_id, node_id)), host, port,
-                         self.settings.connect_timeout_s)
                 try:
                     with anyio.fail_after(self.settings.connect_timeout_s):
-                        path = await relay.start.remote()
+                        path = await relay.serve.remote(*target)
                 except (ray.exceptions.RayError, TimeoutError) as e:
-                    log.warning("relay_not_started", node=node_id, error=f"{type(e).__name__}: {e}")
-                    ray.kill(relay)
+                    log.warning("relay_not_started", node=node_id, proxy=f"{target[0]}:{target[1]}",
+                                error=f"{type(e).__name__}: {e}")
+                    ray.kill(relay)  # made again at the next node check, if its node is alive
+                    del self._relays[node_id], self._relayed[node_id]
                     continue
-                self._relays[node_id] = relay
-                log.info("relay_started", node=node_id, ip=n.get("NodeManagerAddress"), socket=path,
-                         proxy=f"{host}:{port}")
-            self._listed = time.monotonic()
+                self._relayed[node_id].add(target)
+                log.info("relay_started", node=node_id, socket=path, proxy=f"{target[0]}:{target[1]}")
+        return target
+
+    def _new_relay(self, node_id: str) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self._relays[node_id] = self._relay_actor.options(
+            name=relay_name(self.run_id, node_id), num_cpus=0, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(str(relay_folder(self.settings.relay_dir, self.run_id, node_id)), self.settings.connect_timeout_s)
+        self._relayed[node_id] = set()
 
     def _proxy_address(self, proxy_url: str) -> tuple[str, int]:
         if self.settings.proxy_address:
