@@ -47,9 +47,6 @@ class SandboxConfig(Section):
             if self.docker.network == "host":
                 raise ConfigError(f'{exp.source}: [{name}.docker] network = "host" cannot reach the proxy from '
                                   f'another node; the ray backend needs "none" or "bridge" (its relays)')
-            if self.judge is not None:
-                raise ConfigError(f"{exp.source}: [{name}.judge] is not supported with the ray backend yet (the "
-                                  "judge reads the workspace where the verifier ran); remove it or use docker")
         if self.judge is not None:
             self.judge.check(f"[{name}].judge", exp.source)
 

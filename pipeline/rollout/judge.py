@@ -3,9 +3,10 @@ against the task's rubric; the rollout's reward becomes ``(1 - w) * rule + w * j
 
 Configured as ``[sandbox.judge]`` (:class:`JudgeSettings`; docs/rollout.md, "Judge"); the sandbox pool's backend
 calls :meth:`Judge.judge` after the task's own verifier has produced the rule reward
-(:meth:`~pipeline.rollout.sandbox.base.SandboxBackend.run`). The judge is called from the host: the sandbox never
-sees its address nor its key, which is read from the environment variable the settings name and never written to
-a config, a log or the event log.
+(:meth:`~pipeline.rollout.sandbox.base.SandboxBackend.run`; the Ray backend's driver calls :meth:`Judge.judge_snapshot`
+with the snapshot its node took). The judge is called from the host: neither the sandbox nor a Ray node sees its
+address or its key, which is read from the environment variable the settings name and never written to a config, a
+log or the event log.
 
 What the judge reads is partly the policy's doing, and so is its answer:
 
@@ -167,6 +168,17 @@ def workspace_snapshot(workspace: Path, max_chars: int, max_file_chars: int) -> 
     return "".join(parts) or "(empty workspace)\n"
 
 
+async def take_snapshot(workspace: Path, max_chars: int, max_file_chars: int, timeout_s: float) -> str:
+    """:func:`workspace_snapshot` in a thread, within ``timeout_s`` (JudgeError after it: a workspace of millions of
+    files takes a while to list; the thread is left to finish alone)."""
+    try:
+        with anyio.fail_after(timeout_s):
+            return await anyio.to_thread.run_sync(workspace_snapshot, workspace, max_chars, max_file_chars,
+                                                  abandon_on_cancel=True)
+    except TimeoutError:
+        raise JudgeError(f"the workspace could not be listed within {timeout_s:g}s") from None
+
+
 def _not_shown(st: os.stat_result) -> str:
     """Why a workspace entry's content is not shown to the judge ("" when it is)."""
     if stat.S_ISLNK(st.st_mode):
@@ -245,30 +257,40 @@ class Judge:
     async def judge(self, task: Task, workspace: Path, rule: float, rewards: dict[str, float]) -> Judged:
         """Mix the judge's score of ``workspace`` into the rule reward ``rule`` (with its parts ``rewards``).
         Never raises for a judge that fails: :attr:`Judged.error` says why (the caller applies ``on_failure``)."""
+        if self.rubric(task) is None:
+            return Judged(reward=rule, rewards=rewards, note="")
+        s = self.settings
+        try:
+            snapshot = await take_snapshot(workspace, s.max_workspace_chars, s.max_file_chars, s.timeout_s)
+        except JudgeError as e:
+            return self.failed(task, e, rule, rewards)
+        return await self.judge_snapshot(task, snapshot, rule, rewards)
+
+    async def judge_snapshot(self, task: Task, snapshot: str, rule: float, rewards: dict[str, float]) -> Judged:
+        """:meth:`judge` of a workspace snapshot taken where the workspace is (:func:`take_snapshot`, on a Ray
+        node)."""
         s = self.settings
         rubric = self.rubric(task)
         if rubric is None:
             return Judged(reward=rule, rewards=rewards, note="")
         try:
-            score, reason = await self.score(task.instruction, rubric, workspace)
+            score, reason = await self.score(task.instruction, rubric, snapshot)
         except JudgeError as e:
-            log.warning("judge_failed", task=task.id, model=s.model, error=str(e))
-            return Judged(reward=rule, rewards=rewards, note=f"the judge failed ({e}): rule reward only",
-                          error=str(e))
+            return self.failed(task, e, rule, rewards)
         reward = mix_rewards(rule, score, s.weight)
         log.info("judged", task=task.id, rule=rule, judge=score, reward=reward, reason=one_line(reason))
         return Judged(reward=reward, rewards={**rewards, "judge": score},
                       note=f"reward {reward:g} = {1 - s.weight:g} * rule {rule:g} + {s.weight:g} * judge {score:g}")
 
-    async def score(self, instruction: str, rubric: str, workspace: Path) -> tuple[float, str]:
-        """(score, reason) after at most ``attempts`` tries; raises JudgeError (bridle's words) after the last."""
+    def failed(self, task: Task, e: JudgeError, rule: float, rewards: dict[str, float]) -> Judged:
+        """The outcome of a judge that gave no score (``e`` says why): the rule reward."""
+        log.warning("judge_failed", task=task.id, model=self.settings.model, error=str(e))
+        return Judged(reward=rule, rewards=rewards, note=f"the judge failed ({e}): rule reward only", error=str(e))
+
+    async def score(self, instruction: str, rubric: str, snapshot: str) -> tuple[float, str]:
+        """(score, reason) of a workspace ``snapshot`` after at most ``attempts`` tries; raises JudgeError
+        (bridle's words) after the last."""
         s = self.settings
-        try:  # a workspace of millions of files takes a while to list; the thread is left to finish alone
-            with anyio.fail_after(s.timeout_s):
-                snapshot = await anyio.to_thread.run_sync(
-                    workspace_snapshot, workspace, s.max_workspace_chars, s.max_file_chars, abandon_on_cancel=True)
-        except TimeoutError:
-            raise JudgeError(f"the workspace could not be listed within {s.timeout_s:g}s") from None
         last = ""
         for attempt in range(1, s.attempts + 1):
             messages = build_messages(instruction, rubric, snapshot, secrets.token_hex(8))

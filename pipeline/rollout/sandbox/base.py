@@ -47,7 +47,7 @@ import anyio
 from pipeline.core.logs import get_logger
 from pipeline.messages import RolloutFinished, RolloutRequest, RolloutStatus, RolloutTimings
 from pipeline.rollout.harnesses import Harness, Launch, sandbox_harness
-from pipeline.rollout.judge import Judge
+from pipeline.rollout.judge import Judge, Judged
 from pipeline.rollout.sandbox.util import tail
 from pipeline.rollout.tasks import Task
 
@@ -223,10 +223,7 @@ class SandboxBackend(ABC, Generic[S]):
         ``on_failure`` is ``verifier_error``."""
         assert self.judge is not None
         j = await self.judge.judge(box.task, self.workspace(box), verdict.reward, verdict.rewards)
-        if j.error and self.judge.settings.on_failure == "verifier_error":
-            raise VerifierError(f"the judge failed: {j.error}")
-        summary = f"{j.note}; verifier: {verdict.summary}" if j.note else verdict.summary
-        return Verdict(reward=j.reward, rewards=j.rewards, summary=summary)
+        return judged_verdict(verdict, j, self.judge.settings.on_failure)
 
     def memory_limit_of(self, box: S) -> str | None:
         """The memory limit ``box``'s harness ran under, in words (a backend whose limit depends on the task
@@ -245,6 +242,15 @@ class SandboxBackend(ABC, Generic[S]):
         if ended.exit_code != 0:
             return "harness_error", f"harness exited with {ended.exit_code}:\n{output}"
         return None
+
+
+def judged_verdict(verdict: Verdict, j: Judged, on_failure: str) -> Verdict:
+    """The rule ``verdict`` with the judge's outcome ``j`` mixed in; VerifierError when the judge failed and
+    ``on_failure`` (``[sandbox.judge]``) is ``verifier_error``."""
+    if j.error and on_failure == "verifier_error":
+        raise VerifierError(f"the judge failed: {j.error}")
+    summary = f"{j.note}; verifier: {verdict.summary}" if j.note else verdict.summary
+    return Verdict(reward=j.reward, rewards=j.rewards, summary=summary)
 
 
 def harness_limit(req: RolloutRequest, task: Task) -> float:

@@ -17,6 +17,11 @@ at the proxy. Relays are made for the nodes that are there when rollouts start a
 node list is read again every ``node_check_s``); a relay listens for a proxy address the first time a rollout needs
 it.
 
+The rubric judge (``[sandbox.judge]``) runs here, on the driver: its address and key never reach a node. When the
+task has a rubric, the node takes the bounded workspace snapshot the judge reads (:func:`take_snapshot`, the same as
+the other backends') after the verifier and sends it back in the :class:`NodeResult`; the driver asks the judge and
+mixes the score into the reward as the other backends do (:func:`judged_verdict`).
+
 Node loss: a rollout's task is never retried (``max_retries=0``: a rollout must not run twice against the proxy);
 a task whose node or worker died ends as ``sandbox_error`` with Ray's reason, and the run goes on with the nodes
 left. Every node needs the bridle package importable by Ray's workers, a Docker engine with the sandbox images
@@ -43,8 +48,8 @@ import msgspec
 from pipeline.core.logs import get_logger
 from pipeline.core.runfiles import safe_name
 from pipeline.messages import RolloutFinished, RolloutRequest
-from pipeline.rollout.judge import Judge
-from pipeline.rollout.sandbox.base import harness_limit
+from pipeline.rollout.judge import Judge, JudgeError, take_snapshot
+from pipeline.rollout.sandbox.base import Verdict, VerifierError, harness_limit, judged_verdict
 from pipeline.rollout.sandbox.container import DockerSandbox, DockerSettings
 from pipeline.rollout.sandbox.docker import DockerBackend
 from pipeline.rollout.tasks import Task, TaskError, load_task
@@ -92,6 +97,14 @@ class RaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             split_address(self.proxy_address, f"{where}.proxy_address")
 
 
+class SnapshotSpec(msgspec.Struct, kw_only=True):
+    """The judge's workspace snapshot, taken on the node after the verifier (``[sandbox.judge]``'s limits)."""
+
+    max_chars: int
+    max_file_chars: int
+    timeout_s: float
+
+
 class NodeJob(msgspec.Struct, kw_only=True):
     """What a rollout's task is sent (beside the task folder's archive)."""
 
@@ -103,6 +116,7 @@ class NodeJob(msgspec.Struct, kw_only=True):
     task_hash: str  # the task folder archive's sha256: its node-local copy's folder
     task_name: str  # the folder's own name (a task's id may come from it)
     task_cache_idle_s: float = 6 * 3600.0  # [sandbox.ray] task_cache_idle_s
+    snapshot: SnapshotSpec | None = None  # a judge will score the workspace: send its snapshot back
 
 
 class NodeResult(msgspec.Struct, kw_only=True):
@@ -112,6 +126,8 @@ class NodeResult(msgspec.Struct, kw_only=True):
     node_id: str
     workspace_name: str = ""  # the rollout folder's name, with keep_workspaces
     workspace: bytes = b""  # its tar archive
+    snapshot: str | None = None  # the judge's workspace snapshot, when asked and the verifier gave a reward
+    snapshot_error: str = ""  # why there is none (JudgeError's words)
 
 
 def _ray() -> Any:
@@ -215,6 +231,9 @@ class _NodeDocker(DockerBackend):
     sole_owner = False
     root: Path | None = None
     node_id = ""
+    snapshot_spec: SnapshotSpec | None = None
+    snapshot: str | None = None
+    snapshot_error = ""
 
     def _labels_for(self, rollout_id: str, role: str) -> dict[str, str]:
         return {**super()._labels_for(rollout_id, role), "bridle.ray_node": self.node_id}
@@ -222,6 +241,17 @@ class _NodeDocker(DockerBackend):
     async def cleanup(self, box: DockerSandbox) -> None:
         self.root = box.root
         await super().cleanup(box)
+
+    async def verify(self, box: DockerSandbox) -> Verdict:
+        verdict = await super().verify(box)
+        spec = self.snapshot_spec
+        if spec is not None:  # the judge on the driver reads the workspace as it is now, before cleanup
+            try:
+                self.snapshot = await take_snapshot(self.workspace(box), spec.max_chars, spec.max_file_chars,
+                                                    spec.timeout_s)
+            except JudgeError as e:
+                self.snapshot_error = str(e)
+        return verdict
 
 
 def run_on_node(job_bytes: bytes, task_archive: bytes) -> bytes:
@@ -252,6 +282,7 @@ async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeR
         return failed(f"could not unpack the task: {e}")
     backend = _NodeDocker(job.docker, run_id=job.run_id)
     backend.node_id = node_id
+    backend.snapshot_spec = job.snapshot
     try:
         await backend.start()
     except RuntimeError as e:
@@ -263,7 +294,7 @@ async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeR
         raise
     finally:
         await backend.aclose()
-    out = NodeResult(finished=fin, node_id=node_id)
+    out = NodeResult(finished=fin, node_id=node_id, snapshot=backend.snapshot, snapshot_error=backend.snapshot_error)
     if job.docker.keep_workspaces and backend.root is not None:
         out.workspace_name = backend.root.name
         try:
@@ -321,7 +352,7 @@ class RayBackend:
     process, which is the Ray driver."""
 
     kind = "ray"
-    judge: Judge | None = None  # refused by the config check: the judge reads the workspace where it runs
+    judge: Judge | None = None  # the rubric judge, asked here with the snapshot the node sends (module docstring)
 
     def __init__(self, settings: RaySettings, docker: DockerSettings, *, run_id: str):
         self.settings, self.docker, self.run_id = settings, docker, run_id
@@ -394,8 +425,14 @@ class RayBackend:
         ray = _ray()
         _, port = await self._ensure_relays(proxy_url)
         digest, archive = await self._task_archive(task)
+        spec = None
+        if self.judge is not None and self.judge.rubric(task) is not None:
+            js = self.judge.settings
+            spec = SnapshotSpec(max_chars=js.max_workspace_chars, max_file_chars=js.max_file_chars,
+                                timeout_s=js.timeout_s)
         job = NodeJob(request=req, docker=self.docker, run_id=self.run_id, relay_dir=self.settings.relay_dir,
-                      proxy_port=port, task_hash=digest, task_name=task.root.name, task_cache_idle_s=self.settings.task_cache_idle_s)
+                      proxy_port=port, task_hash=digest, task_name=task.root.name,
+                      task_cache_idle_s=self.settings.task_cache_idle_s, snapshot=spec)
         s = self.settings
         ref = self._remote.options(
             resources={s.resource: 1, **s.resources}, num_cpus=s.num_cpus, max_retries=0, retry_exceptions=False,
@@ -417,7 +454,31 @@ class RayBackend:
         if out.workspace:
             await anyio.to_thread.run_sync(self._unpack_workspace, out)
         log.info("ray_rollout", rollout=req.rollout_id, node=out.node_id, status=out.finished.status)
+        if spec is not None:
+            return await self._judged(task, out)
         return out.finished
+
+    async def _judged(self, task: Task, out: NodeResult) -> RolloutFinished:
+        """The node's result with the judge's score mixed in, as the other backends mix it (the verifier gave a
+        reward: status ok, or timeout with the workspace scored)."""
+        fin = out.finished
+        if fin.status not in ("ok", "timeout") or (out.snapshot is None and not out.snapshot_error):
+            return fin
+        assert self.judge is not None
+        verdict = Verdict(reward=fin.reward, rewards=fin.rewards, summary=fin.details)
+        if out.snapshot is None:
+            j = self.judge.failed(task, JudgeError(out.snapshot_error), fin.reward, fin.rewards)
+        else:
+            j = await self.judge.judge_snapshot(task, out.snapshot, fin.reward, fin.rewards)
+        timings = msgspec.structs.replace(fin.timings, verified=time.time())
+        try:
+            v = judged_verdict(verdict, j, self.judge.settings.on_failure)
+        except VerifierError as e:
+            return msgspec.structs.replace(fin, status="verifier_error", details=str(e), reward=0.0, rewards={},
+                                           timings=timings)
+        # a timed-out harness keeps its own details (the harness's output), as with the other backends
+        return msgspec.structs.replace(fin, reward=v.reward, rewards=v.rewards, timings=timings,
+                                       details=v.summary if fin.status == "ok" else fin.details)
 
     def _lost(self, req: RolloutRequest, why: str) -> RolloutFinished:
         log.warning("ray_rollout_lost", rollout=req.rollout_id, why=why)
