@@ -153,7 +153,11 @@ def relay_folder(relay_dir: str, run_id: str, node_id: str) -> Path:
 
 def relay_socket(relay_dir: str, run_id: str, node_id: str, port: int) -> Path:
     """The node's relay socket for the proxy (worker) at ``port``."""
-    return relay_folder(relay_dir, run_id, node_id) / f"proxy-{port}.sock"
+    return relay_folder(relay_dir, run_id, node_id) / socket_name(port)
+
+
+def socket_name(port: int) -> str:
+    return f"proxy-{port}.sock"
 
 
 def relay_name(run_id: str, node_id: str) -> str:
@@ -176,7 +180,7 @@ class Relay:
         import asyncio
         from functools import partial
 
-        path = self.folder / f"proxy-{port}.sock"
+        path = self.folder / socket_name(port)
         if (host, port) in self._listeners:
             return str(path)
         if any(p == port for _, p in self._listeners):
