@@ -118,6 +118,21 @@ class Request:
     def disconnected(self) -> bool:
         return self._conn.closed
 
+    def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (once, on the event loop) when the client's connection is lost, at once if it is gone
+        already; returns the function that unregisters it."""
+        conn = self._conn
+        if conn.closed:
+            asyncio.get_running_loop().call_soon(callback)
+            return lambda: None
+        conn.lost_callbacks.append(callback)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                conn.lost_callbacks.remove(callback)
+
+        return remove
+
     def stream(self, status: int, headers: dict[str, str], first: bytes = b"") -> Stream:
         """Send a streamed answer's head now, and its ``first`` chunk in the same write (raises ConnectionError
         when the client is gone)."""
@@ -143,6 +158,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[Request] = deque()  # pipelined requests waiting for the one being answered
         self.task: asyncio.Task[None] | None = None
+        self.lost_callbacks: list[Callable[[], None]] = []  # Request.on_disconnect
         self.last_active = time.monotonic()
         self._url = b""
         self._headers: dict[str, str] = {}
@@ -160,6 +176,9 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self.queue.clear()
         self.server.connections.discard(self)
+        callbacks, self.lost_callbacks = self.lost_callbacks, []
+        for cb in callbacks:
+            cb()
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()

@@ -327,9 +327,8 @@ class Proxy:
         engine = self.engine_for(st)
         rid = f"{st.request.rollout_id}|{call.call_id}"
         engine_start = time.time()
-        # The engine call runs as a plain asyncio task (the server runs on asyncio): most calls finish
-        # within the first watch tick, and a task group + event + cancel scope per call cost more than the rest of
-        # the waiting.
+        # The engine call runs as a plain asyncio task (the server runs on asyncio): a task group + event + cancel
+        # scope per call cost more than the rest of the waiting.
         task = asyncio.get_running_loop().create_task(
             run_engine(engine, input_ids, sampling, rid, self.settings.engine_retries))
         resp, disconnected = await watch_engine(call.request, call.proto, call.sstate, call.stream, task, engine, rid,

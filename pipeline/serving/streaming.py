@@ -1,6 +1,6 @@
 """How the proxy's answer goes out while the engine works: the stream's head only once the engine is slower
 than ``stream_head_s``, protocol keep-alives every ``keepalive_s``, the rest in one write, and a dropped client
-noticed (its engine request aborted) within a tick.
+noticed (its engine request aborted) as soon as its connection is lost.
 
 The engine call is a plain asyncio task (the proxy's server runs on asyncio). The protocol supplies the
 bytes (``Protocol.stream_open`` / ``keepalive`` / ``stream_rest`` in wire.py); this module decides when they go.
@@ -23,42 +23,56 @@ async def watch_engine(
     request: Request, proto: Protocol, sstate: StreamState, stream: bool, task: asyncio.Task,
     engine: Engine, rid: str, *, stream_head_s: float, keepalive_s: float,
 ) -> tuple[Stream | None, bool]:
-    """Wait for the engine ``task``, watching the connection every tick: a dropped client aborts the engine
-    request ``rid``. Streams send their head only when the engine has not answered within stream_head_s (so a
-    quick answer goes out as one write: head, events and end together), then a protocol keep-alive every
-    keepalive_s. Returns (the stream whose head was sent, or None; whether the client disconnected); the
-    task is done on return."""
+    """Wait for the engine ``task``; a dropped client aborts the engine request ``rid``. Streams send their head only
+    when the engine has not answered within stream_head_s (so a quick answer goes out as one write: head, events
+    and end together), then a protocol keep-alive every keepalive_s. Returns (the stream whose head was sent, or
+    None; whether the client disconnected); the task is done on return.
+
+    Event-driven: the task's end, the connection's loss and the stream's timer wake this call; nothing polls, so a
+    thousand calls waiting on a slow engine cost the loop nothing between their keep-alives."""
     loop = asyncio.get_running_loop()
     resp: Stream | None = None
-    tick = min(0.5, keepalive_s)
-    next_keepalive = loop.time() + keepalive_s
-    wait_s = stream_head_s if stream else tick
+    woken: asyncio.Future[None] = loop.create_future()
+    timer: asyncio.TimerHandle | None = None
+
+    def wake(_: object = None) -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    def beat() -> None:  # the head first, then a keep-alive each period
+        nonlocal resp, timer
+        try:
+            if resp is None:
+                resp = request.stream(200, SSE_HEADERS, proto.stream_open(sstate))
+            else:
+                resp.write(proto.keepalive(sstate))
+        except ConnectionError:
+            wake()
+            return
+        timer = loop.call_later(keepalive_s, beat)
+
+    task.add_done_callback(wake)
+    unhook = request.on_disconnect(wake)
     try:
-        while not task.done():
-            if wait_s > 0:
-                await asyncio.wait((task,), timeout=wait_s)
-                if task.done():
-                    break
-            wait_s = tick
-            gone = request.disconnected()
-            if not gone and stream:
-                try:
-                    if resp is None:
-                        resp = request.stream(200, SSE_HEADERS, proto.stream_open(sstate))
-                    if loop.time() >= next_keepalive:
-                        next_keepalive = loop.time() + keepalive_s
-                        resp.write(proto.keepalive(sstate))
-                except ConnectionError:
-                    gone = True
-            if gone:
-                with anyio.move_on_after(10):
-                    await engine.abort(rid)
-                return resp, True
+        if stream and not task.done():
+            if stream_head_s > 0:
+                timer = loop.call_later(stream_head_s, beat)
+            else:
+                beat()
+        await woken
+        if task.done():
+            return resp, False
+        with anyio.move_on_after(10):  # the client is gone
+            await engine.abort(rid)
+        return resp, True
     finally:
+        if timer is not None:
+            timer.cancel()
+        task.remove_done_callback(wake)
+        unhook()
         if not task.done():  # the client left, or this handler was cancelled (server shutdown)
             task.cancel()
             await asyncio.wait((task,))
-    return resp, False
 
 
 def finish_stream(request: Request, resp: Stream | None, head: bytes, rest: bytes, *,

@@ -27,6 +27,7 @@ class App:
         self.seen: list[Request] = []
         self.release = asyncio.Event()
         self.stream_gone = asyncio.Event()
+        self.unhooked: list[object] = []
 
     async def echo(self, req: Request) -> Response:
         self.seen.append(req)
@@ -47,12 +48,16 @@ class App:
     async def held_stream(self, req: Request) -> Stream:
         s = req.stream(200, {"Content-Type": "text/event-stream"})
         s.write(b"data: open\n\n")
-        for _ in range(500):  # polled, as the proxy's watch loop polls it
-            if req.disconnected():
-                break
-            await asyncio.sleep(0.01)
+        gone = asyncio.Event()
+        req.on_disconnect(gone.set)  # as the proxy's watch waits for it
+        req.on_disconnect(self.unhooked.append)()  # unregistered at once: never called
+        await asyncio.wait_for(gone.wait(), 5)
+        assert req.disconnected()
         with pytest.raises(ConnectionError):
             s.write(b"data: late\n\n")
+        late = asyncio.Event()
+        req.on_disconnect(late.set)  # registered after the loss: called all the same
+        await asyncio.wait_for(late.wait(), 5)
         self.stream_gone.set()
         return s
 
@@ -201,6 +206,7 @@ async def test_a_client_that_leaves_mid_stream_is_seen_as_gone():
         assert b"data: open" in await asyncio.wait_for(r.readuntil(b"data: open\n\n"), 5)
         w.close()
         await asyncio.wait_for(app.stream_gone.wait(), 5)
+        assert app.unhooked == []
 
 
 async def test_send_raises_when_the_client_is_gone():

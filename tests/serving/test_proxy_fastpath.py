@@ -46,7 +46,7 @@ async def test_a_quick_stream_is_complete_and_a_slow_one_opens_early_with_keepal
         r = await s.post(p.base_url + "/v1/messages", headers={"x-api-key": token}, json=body)
         assert r.headers["Content-Type"].startswith("text/event-stream")
         quick = sse_events(await r.read())
-        p.engine.script.latency_s = 0.5  # past the first watch tick (0.2 s) and one keep-alive period
+        p.engine.script.latency_s = 0.5  # past the stream head (20 ms) and a keep-alive period (0.2 s)
         async with s.post(p.base_url + "/v1/messages", headers={"x-api-key": token}, json=body) as r:
             first = await r.content.readuntil(b"\n\n")  # the head arrives while the engine still works
             assert first.startswith(b"event: message_start") and len(model_calls(records)) == 1
@@ -74,7 +74,7 @@ class AnswerSpy:
 
 
 async def test_a_slower_answer_gets_its_head_before_the_engine_answers():
-    # keepalive_s 5 s: the watch tick is 0.5 s, longer than the engine takes, so only stream_head_s sends the head
+    # keepalive_s 5 s, longer than the engine takes: only stream_head_s sends the head
     body = {"model": "policy", "max_tokens": 50, "stream": True, "messages": [{"role": "user", "content": "x"}]}
     async with running_proxy(Script(default=[DONE], latency_s=0.3), keepalive_s=5.0) as (p, records, token), \
             aiohttp.ClientSession() as s:

@@ -203,7 +203,7 @@ class SandboxBackend(ABC, Generic[S]):
 
             try:
                 verdict = await self.verify(box)
-                if self.judge is not None:
+                if self.judge is not None and judged(req):
                     verdict = await self._judged(box, verdict)
             except VerifierError as e:
                 t.verified = time.time()
@@ -242,6 +242,12 @@ class SandboxBackend(ABC, Generic[S]):
         if ended.exit_code != 0:
             return "harness_error", f"harness exited with {ended.exit_code}:\n{output}"
         return None
+
+
+def judged(req: RolloutRequest) -> bool:
+    """Whether the rubric judge scores this rollout: not a cold-start demonstration (the SFT trains on the oracle's
+    calls without a reward, so a judge call there only costs, and a failed one would drop the demonstration)."""
+    return req.purpose != "sft"
 
 
 def judged_verdict(verdict: Verdict, j: Judged, on_failure: str) -> Verdict:

@@ -49,7 +49,7 @@ from pipeline.core.logs import get_logger
 from pipeline.core.runfiles import safe_name
 from pipeline.messages import RolloutFinished, RolloutRequest
 from pipeline.rollout.judge import Judge, JudgeError, take_snapshot
-from pipeline.rollout.sandbox.base import Verdict, VerifierError, harness_limit, judged_verdict
+from pipeline.rollout.sandbox.base import Verdict, VerifierError, harness_limit, judged, judged_verdict
 from pipeline.rollout.sandbox.container import DockerSandbox, DockerSettings
 from pipeline.rollout.sandbox.docker import DockerBackend
 from pipeline.rollout.tasks import Task, TaskError, load_task
@@ -430,7 +430,7 @@ class RayBackend:
         _, port = await self._ensure_relays(proxy_url)
         digest, archive = await self._task_archive(task)
         spec = None
-        if self.judge is not None and self.judge.rubric(task) is not None:
+        if self.judge is not None and judged(req) and self.judge.rubric(task) is not None:
             js = self.judge.settings
             spec = SnapshotSpec(max_chars=js.max_workspace_chars, max_file_chars=js.max_file_chars,
                                 timeout_s=js.timeout_s)
