@@ -211,6 +211,37 @@ async def test_the_judge_on_the_driver_scores_the_workspace_a_node_kept(cluster,
     assert containers_of("raytest3") == []
 
 
+@pytest.mark.parametrize("scheduling", ["spread", "default"])
+async def test_rollouts_spread_over_the_nodes_unless_told_otherwise(cluster, tmp_path, scheduling):
+    """Two rollouts at once, placed by Ray alone: "spread" gives each node one; Ray's "default" keeps both on the
+    head, which holds the task's archive (locality first) and is where the learner runs."""
+    import structlog
+
+    task = materialize(generate("create_file", 1), tmp_path / "t")
+    backend = RayBackend(RaySettings(address=cluster.address, scheduling=scheduling),
+                         DockerSettings(**OFFLINE, workdir=str(tmp_path / "work")), run_id=f"raysched{scheduling}")
+    await backend.start()
+    try:
+        async with running_proxy(host="0.0.0.0") as (proxy, _, _):
+            await backend.run(RolloutRequest(rollout_id="warm", group_id="g", index=0, group_size=1,
+                                             task_id=task.id, harness="oracle", token="t", policy_version=0),
+                              task, proxy_url=proxy.base_url)  # relays up and the archive in the store first
+            with structlog.testing.capture_logs() as lines:
+                async with anyio.create_task_group() as tg:
+                    for i in range(2):
+                        req = RolloutRequest(rollout_id=f"r{i}", group_id="g", index=i, group_size=2,
+                                             task_id=task.id, harness="oracle", token="t", policy_version=0)
+                        tg.start_soon(lambda r=req: backend.run(r, task, proxy_url=proxy.base_url))
+    finally:
+        await backend.aclose()
+    placed = sorted(x["node"] for x in lines if x.get("event") == "ray_rollout")
+    nodes = cluster.node_ids()
+    if scheduling == "spread":
+        assert placed == sorted(nodes.values())
+    else:
+        assert placed == [nodes["head"]] * 2
+
+
 def test_the_config_refuses_what_the_ray_backend_cannot_do(tmp_path):
     from actors.sandbox import SandboxConfig
     from pipeline.core.config import ConfigError

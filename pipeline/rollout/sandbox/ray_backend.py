@@ -38,7 +38,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import anyio
@@ -69,6 +69,10 @@ class RaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     resource: str = "bridle_docker"  # the custom resource of a node with Docker: one unit per sandbox it may hold
     resources: dict[str, float] = msgspec.field(default_factory=dict)  # more per rollout (e.g. a node-type label)
     num_cpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # Ray CPUs per rollout (the container's are Docker's)
+    # "spread": each rollout to the next node with a free unit (Ray's SPREAD). "default": Ray's DEFAULT, which
+    # prefers the node holding the task's archive (the driver's, where the learner and the engine run) and so
+    # fills it first.
+    scheduling: Literal["spread", "default"] = "spread"
     # host:port the nodes dial for the proxy. Default: the proxy's own address, a wildcard host ([proxy] host =
     # "0.0.0.0") replaced by this machine's address in the cluster.
     proxy_address: str = ""
@@ -440,7 +444,7 @@ class RayBackend:
         s = self.settings
         ref = self._remote.options(
             resources={s.resource: 1, **s.resources}, num_cpus=s.num_cpus, max_retries=0, retry_exceptions=False,
-            name=f"bridle-rollout-{req.rollout_id}",
+            name=f"bridle-rollout-{req.rollout_id}", scheduling_strategy=s.scheduling.upper(),
         ).remote(msgspec.msgpack.encode(job), archive)
         limit = harness_limit(req, task) + s.overhead_s
         try:
