@@ -3,7 +3,9 @@
 For each harness a run used (``RolloutRequest.harness``): rollouts (demonstrations among them), their statuses,
 how many settled, model calls per rollout, input and output tokens per call, how long the harness ran (the
 sandbox's ``timings``: started to exited, so container start-up counts, the verifier does not), demonstration packs
-holding its rollouts, and its training groups trained, dropped by the tree builder, or left out as too stale.
+holding its rollouts, its training groups trained, dropped by the tree builder, or left out as too stale, and the
+mean reward of its scored rollouts (status ok or timeout; not the demonstrations) with each named part
+(``RolloutFinished.rewards``: ``rule``, and ``judge`` with a rubric judge), "n/a" when none was scored.
 A group counts as trained when an RL step's ``PolicyUpdated`` lists it (``groups``; logs written before that field
 show ``?``).
 """
@@ -44,6 +46,9 @@ class HarnessStats(msgspec.Struct, kw_only=True):
     sft_packs: int = 0  # demonstration packs holding at least one of its rollouts
     groups_trained: int | None = None  # its groups an RL step trained on (None: the log does not say)
     groups_dropped: int = 0  # GroupDropped by the tree builder (too few valid rollouts)
+    scored: int = 0  # rollouts with a reward: status ok or timeout, demonstrations not counted
+    reward_mean: float | None = None  # over the scored rollouts (None: none)
+    reward_parts: dict[str, float] = msgspec.field(default_factory=dict)  # part -> its mean where present
 
 
 def _mean(xs: list[float]) -> float:
@@ -91,10 +96,7 @@ def report(log_path: Path) -> list[HarnessStats]:
         s.settled += rid in settled
         fin = finished.get(rid)
         if fin is not None:
-            s.statuses[fin.status] = s.statuses.get(fin.status, 0) + 1
-            t = fin.timings
-            if t.sandbox_ready and t.harness_done:
-                per[h]["harness_s"].append(t.harness_done - t.sandbox_ready)
+            _add_finished(s, per[h], fin, demonstration=purpose_of.get(rid) == "sft")
         cs = calls.get(rid, [])
         per[h]["calls"].append(len(cs))
         for c in cs:
@@ -112,13 +114,27 @@ def report(log_path: Path) -> list[HarnessStats]:
         s.sft_packs = sum(any(harness_of.get(r.rollout_id) == h for r in g.rollouts) for g in packs)
         s.groups_dropped = sum(group_harness.get(g) == h for g in dropped)
         s.groups_trained = sum(group_harness.get(g) == h for g in trained) if listed else None
+        s.scored = len(p["reward"])
+        s.reward_mean = _mean(p["reward"]) if p["reward"] else None
+        s.reward_parts = {k[5:]: _mean(v) for k, v in p.items() if k.startswith("part:")}
     return list(stats.values())
+
+
+def _add_finished(s: HarnessStats, per: dict[str, list[float]], fin: RolloutFinished, *, demonstration: bool) -> None:
+    s.statuses[fin.status] = s.statuses.get(fin.status, 0) + 1
+    if fin.status in ("ok", "timeout") and not demonstration:
+        per["reward"].append(fin.reward)
+        for part, v in fin.rewards.items():
+            per["part:" + part].append(v)
+    t = fin.timings
+    if t.sandbox_ready and t.harness_done:
+        per["harness_s"].append(t.harness_done - t.sandbox_ready)
 
 
 def text(stats: list[HarnessStats]) -> str:
     head = (f"{'harness':<22}{'rollouts':>9}{'demos':>6}{'settled':>8}{'calls/r':>8}{'in tok/call':>12}"
             f"{'max in':>8}{'out tok/call':>13}{'run s':>7}{'max s':>7}{'sft packs':>10}{'trained':>8}{'dropped':>8}"
-            "  statuses")
+            "  statuses; reward")
     lines = [head]
     for s in stats:
         st = ", ".join(f"{k} {v}" for k, v in sorted(s.statuses.items(), key=lambda kv: -kv[1]))
@@ -126,5 +142,12 @@ def text(stats: list[HarnessStats]) -> str:
                      f"{s.input_tokens_per_call:>12.0f}{s.max_input_tokens:>8}{s.output_tokens_per_call:>13.1f}"
                      f"{s.harness_s_mean:>7.1f}{s.harness_s_max:>7.1f}{s.sft_packs:>10}"
                      f"{'?' if s.groups_trained is None else s.groups_trained:>8}"
-                     f"{s.groups_dropped:>8}  {st}")
+                     f"{s.groups_dropped:>8}  {st}; {_reward_text(s)}")
     return "\n".join(lines)
+
+
+def _reward_text(s: HarnessStats) -> str:
+    if s.reward_mean is None:
+        return "reward n/a (0 scored)"
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in s.reward_parts.items())
+    return f"reward {s.reward_mean:.2f}" + (f" ({parts})" if parts else "") + f" over {s.scored} scored"
