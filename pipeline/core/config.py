@@ -298,18 +298,22 @@ def load_experiment(
         try:
             sec.check(name, out)
         except ConfigError as e:
-            raise ConfigError(_blame_override(str(e), name, overrides)) from None
+            raise ConfigError(_blame_override(str(e), overrides)) from None
     return out
 
 
-def _blame_override(msg: str, section: str, overrides: list[str]) -> str:
-    """A section check's message, saying which --set gave the field it names (the file did not)."""
+def _blame_override(msg: str, overrides: list[str]) -> str:
+    """A section check's message, saying which --set gave the fields it names (the file did not): its own or
+    another section's it was compared with, written ``[a].b`` or ``[a.b] c``."""
+    blamed = []
     for o in overrides:
-        key = o.split("=", 1)[0].strip()
-        sect, _, field_name = key.partition(".")
-        if sect == section and f"[{section}].{field_name}" in msg:
-            return f"{msg} (from --set {o})"
-    return msg
+        parts = o.split("=", 1)[0].strip().split(".")
+        for i in range(1, len(parts)):
+            table, key = ".".join(parts[:i]), ".".join(parts[i:])
+            if f"[{table}].{key}" in msg or f"[{table}] {key}" in msg:
+                blamed.append(f"--set {o}")
+                break
+    return f"{msg} (from {', '.join(blamed)})" if blamed else msg
 
 
 def _read_experiment(name_or_path: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]:

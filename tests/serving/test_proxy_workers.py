@@ -171,8 +171,10 @@ def test_the_config_refuses_workers_where_a_rollout_could_not_reach_its_worker(e
     from pipeline.core.runtime import make_resolver
 
     cfg.load_experiment("quickstart", make_resolver(REGISTRY), ["proxy.workers=1", *extra])  # one proxy: fine
-    with pytest.raises(cfg.ConfigError, match=match):
+    with pytest.raises(cfg.ConfigError, match=match) as e:
         cfg.load_experiment("quickstart", make_resolver(REGISTRY), ["proxy.workers=2", *extra])
+    if "proxy_address" in match:  # both --set values it names are blamed
+        assert str(e.value).endswith("(from --set proxy.workers=2, --set sandbox.ray.proxy_address=\"10.0.0.1:8000\")")
 
 
 def test_workers_with_the_ray_backend_pass_the_config_check():
