@@ -37,6 +37,7 @@ import shutil
 import tarfile
 import tempfile
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -87,6 +88,9 @@ class RaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # rollout has used it for this long; longer than any rollout (its harness limit + overhead_s) so that a folder
     # is never removed under one.
     task_cache_idle_s: Annotated[float, msgspec.Meta(gt=0)] = 6 * 3600.0
+    # Task archives this driver keeps in Ray's object store for the next rollouts of their tasks (least recently
+    # used dropped first; a dropped one is archived and sent again when its task comes back).
+    archive_cache: Annotated[int, msgspec.Meta(ge=1)] = 256
 
     def check(self, where: str) -> None:
         if importlib.util.find_spec("ray") is None:
@@ -370,7 +374,8 @@ class RayBackend:
         self._relayed: dict[str, set[tuple[str, int]]] = {}  # node id -> the proxy addresses its relay serves
         self._listed = -float("inf")
         self._relay_lock = anyio.Lock()
-        self._tasks: dict[Path, tuple[str, Any]] = {}  # task folder -> (archive hash, its object ref)
+        # task folder -> (archive hash, its object ref), most recently used last; at most archive_cache of them
+        self._tasks: OrderedDict[Path, tuple[str, Any]] = OrderedDict()
 
     async def start(self) -> None:
         ray = _ray()
@@ -502,9 +507,15 @@ class RayBackend:
 
     async def _task_archive(self, task: Task) -> tuple[str, Any]:
         """The task folder as a tar archive in Ray's object store (once per task), and its hash."""
-        if task.root not in self._tasks:
+        if task.root in self._tasks:
+            self._tasks.move_to_end(task.root)
+        else:
             data = await anyio.to_thread.run_sync(_tar, task.root, task.root.name)
             self._tasks[task.root] = (hashlib.sha256(data).hexdigest()[:32], _ray().put(data))
+            # Dropping a reference frees the archive once no submitted rollout holds it (Ray keeps a task's
+            # arguments alive until it ends), so thousands of tasks do not pile up in the object store.
+            while len(self._tasks) > self.settings.archive_cache:
+                self._tasks.popitem(last=False)
         return self._tasks[task.root]
 
     async def _ensure_relays(self, proxy_url: str) -> tuple[str, int]:
