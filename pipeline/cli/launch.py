@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import msgspec
 from pipeline.core import config as cfg
 from pipeline.core import logs
 from pipeline.core.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
+from pipeline.core.runfiles import run_tag
 from pipeline.core.runtime import Graph, Interrupted, Resolver, Resume, Supervisor
 from pipeline.messages import SCHEMA_VERSION, ConfigChanged
 
@@ -62,7 +62,7 @@ def make_run_dir(exp: cfg.Experiment, run_dir: str | Path | None, suffix: str = 
 def open_event_log(rd: RunDir, exp: cfg.Experiment, replay_of: str = "") -> AsyncEventLog:
     header = LogHeader(
         schema_version=SCHEMA_VERSION,
-        run_id=f"{rd.path.name}-{uuid.uuid4().hex[:8]}",
+        run_id=run_tag(rd.path),  # what the run's files, processes and containers outside its folder carry
         created=time.time(),
         experiment=exp.name,
         config=exp.to_dict(),
