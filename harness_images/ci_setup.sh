@@ -23,4 +23,7 @@ if ! docker info >/dev/null 2>&1; then
   docker info >/dev/null 2>&1 || { echo "dockerd did not start; see /tmp/bridle-dockerd.log" >&2; tail -20 /tmp/bridle-dockerd.log >&2; exit 1; }
 fi
 
+# BRIDLE_CI_ENGINE_ONLY=1: the engine alone (.ci/run starts it while the virtual environment installs)
+[ "${BRIDLE_CI_ENGINE_ONLY:-}" = 1 ] && exit 0
+
 "$PY" -m pipeline.rollout.images

@@ -245,6 +245,9 @@ class Learner:
             shutil.rmtree(tmp, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(tmp))
+        # every rank's part (its RNG state) is in the folder before rank 0 marks it complete and renames it: a rank
+        # still writing would put its file into a new .tmp folder, and a kill then would leave a checkpoint without it
+        self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             state = {"step": self.step, "version": self.version, "extra": extra or {}}
             if self.reference is not None:

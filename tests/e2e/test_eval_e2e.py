@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import run_py as run
+from tests.helpers.cli import run_py_together
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -33,12 +34,14 @@ def test_sft_policy_beats_the_random_init_on_held_out_tasks(tmp_path):
             *sets("run.steps=0"))
     assert r.returncode == 0, r.stderr[-3000:]
     ev = sets("eval.tasks.count=12", "eval.samples=2")
-    a = run("--eval", "--experiment", "quickstart", "--checkpoint", str(tmp_path / "sft"),
-            "--run-dir", str(tmp_path / "eval-sft"), *common, *ev)
+    # both evaluations read the model and write their own folders: side by side
+    a, b = run_py_together(
+        ["--eval", "--experiment", "quickstart", "--checkpoint", str(tmp_path / "sft"),
+         "--run-dir", str(tmp_path / "eval-sft"), *common, *ev],
+        ["--eval", "--experiment", "quickstart", "--model", str(model), "--run-dir", str(tmp_path / "eval-base"),
+         *common, *ev])
     assert a.returncode == 0, a.stderr[-3000:]
     assert "| overall | all |" in a.stdout and "held-out" not in a.stdout.split("| overall")[0]
-    b = run("--eval", "--experiment", "quickstart", "--model", str(model), "--run-dir", str(tmp_path / "eval-base"),
-            *common, *ev)
     assert b.returncode == 0, b.stderr[-3000:]
 
     rep = json.loads((tmp_path / "eval-sft" / "eval" / "report.json").read_text())
