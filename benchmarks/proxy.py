@@ -148,6 +148,7 @@ async def serve_floor(engine: Any, renderer: Any) -> tuple[str, Any]:
     three-event stream comes back in one write), and that plus the JSON, the conversion and the render (``/io_render``). Nothing
     is recorded, authenticated or spliced. (base URL, server)."""
     import numpy as np
+    import orjson
 
     from pipeline.serving.engine import EngineSampling
     from pipeline.serving.http_server import HttpServer, Response
@@ -170,8 +171,6 @@ async def serve_floor(engine: Any, renderer: Any) -> tuple[str, Any]:
         return await call(request, fixed[0])
 
     async def io_render(request: Any) -> Any:
-        import orjson
-
         return await call(request, renderer.render_ids(from_chat(orjson.loads(request.body))))
 
     server = HttpServer({("POST", "/io/v1/chat/completions"): io, ("POST", "/io_render/v1/chat/completions"): io_render},

@@ -21,10 +21,6 @@ import asyncio
 import resource
 import sys
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 CLIENT = r"""
 import asyncio, sys, aiohttp
