@@ -191,10 +191,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def replay(args: argparse.Namespace, resolve: Resolver) -> int:
     """--replay LOG: print what the log holds (--trees, --calls, the summary), or rerun --stage from it."""
-    import anyio
-
     from pipeline.cli import launch
     from pipeline.core.eventlog import summarize
+    from pipeline.core.runtime import run_main
 
     log_path = Path(args.replay)
     if log_path.is_dir():
@@ -227,7 +226,7 @@ def replay(args: argparse.Namespace, resolve: Resolver) -> int:
     exp = launch.recorded_experiment(log_path, resolve, args.overrides)
     stage = launch.resolve_stage(exp, [x.strip() for x in args.stage.split(",") if x.strip()])
     rd = launch.prepare(exp, args.run_dir, suffix="-replay")
-    anyio.run(launch.replay_stage, log_path, exp, resolve, stage, rd)
+    run_main(launch.replay_stage, log_path, exp, resolve, stage, rd)
     print(json.dumps({"run_dir": str(rd.path), "events": str(rd.events),
                       **launch.compare_replay(log_path, rd.events)}))
     return 0
@@ -235,27 +234,25 @@ def replay(args: argparse.Namespace, resolve: Resolver) -> int:
 
 def resume(args: argparse.Namespace, resolve: Resolver) -> int:
     """--resume RUN_DIR: continue the run with its own config.toml (--set on top)."""
-    import anyio
-
     from pipeline.cli import launch
     from pipeline.core import config as cfg
     from pipeline.core import logs
+    from pipeline.core.runtime import run_main
 
     rd = launch.RunDir(Path(args.resume))
     exp = cfg.load_experiment(rd.config, resolve, args.overrides)
     logs.configure(rd.log_file, level=exp.experiment.log_level)
-    anyio.run(lambda: launch.resume_experiment(exp, resolve, rd, config_path=None if args.no_watch else rd.config))
+    run_main(lambda: launch.resume_experiment(exp, resolve, rd, config_path=None if args.no_watch else rd.config))
     logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
     return 0
 
 
 def run(args: argparse.Namespace, resolve: Resolver) -> int:
     """--experiment: validate it, serve it (--serve) or run it."""
-    import anyio
-
     from pipeline.cli import launch
     from pipeline.core import config as cfg
     from pipeline.core import logs
+    from pipeline.core.runtime import run_main
 
     path = cfg.resolve_experiment_path(args.experiment)
     exp = cfg.load_experiment(path, resolve, args.overrides)
@@ -275,10 +272,10 @@ def run(args: argparse.Namespace, resolve: Resolver) -> int:
         def announce(info: dict) -> None:
             print(json.dumps(info), flush=True)
 
-        anyio.run(launch.serve, exp, resolve, rd, announce)
+        run_main(launch.serve, exp, resolve, rd, announce)
         return 0
     watch = None if args.no_watch or args.eval else path  # an evaluation's graph is derived: nothing to watch
-    anyio.run(lambda: launch.run_experiment(exp, resolve, rd, config_path=watch))
+    run_main(lambda: launch.run_experiment(exp, resolve, rd, config_path=watch))
     logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
     if args.eval:
         report = rd.path / "eval" / "report.md"

@@ -152,9 +152,12 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                    f"{'met' if s is not None and s >= 40 else 'MISSED'} (ceiling here for a proxy that only "
                    f"renders and tokenizes: {fmt(ceiling, 1)} %{', so even such a proxy would miss the goal in this run' if ceiling < 40 else ''})")
         kept = 100 * s / ceiling if s is not None and ceiling > 0 else float("nan")
-        out.append(f"64 clients: bridle keeps {fmt(kept, 0)} % of that ceiling — goal >= 75 %: "
-                   f"{'met' if kept >= 75 else 'MISSED'}")
         model = by_level[64]["model"]
+        # the ceiling is a bound from CPU per call; bridle's bound from its own CPU per call compares like with like
+        # (a measured rate also loses what three processes on two cores lose to scheduling)
+        kept_model = 100 * model["bridle"]["pct_direct"] / ceiling if ceiling > 0 else float("nan")
+        out.append(f"64 clients: bridle keeps {fmt(kept, 0)} % of that ceiling — goal >= 75 %: "
+                   f"{'met' if kept >= 75 else 'MISSED'} (its CPU per call by the same model: {fmt(kept_model, 0)} %)")
         if "I/O+render proxy" in model:
             io, ior = (model[p]["pct_direct"] for p in ("I/O-only proxy", "I/O+render proxy"))
             out.append(f"64 clients: a proxy on bridle's server and engine client that only renders and forwards "

@@ -241,10 +241,10 @@ async def serve_workers(n: int, engine_url: str, rollouts: int) -> None:
 
 
 def serve_bridle_main(args: argparse.Namespace) -> None:
-    import anyio
+    from pipeline.core.runtime import run_main
 
     port, engine_url = args.serve_bridle
-    anyio.run(serve_bridle, int(port), engine_url, args.rollouts, args.render_thread_chars)
+    run_main(serve_bridle, int(port), engine_url, args.rollouts, args.render_thread_chars)
 
 
 # ------------------------------------------------------------------------------------------ orchestration
@@ -612,9 +612,9 @@ def main() -> None:
     if args.serve_bridle:
         serve_bridle_main(args)
     elif args.serve_workers:
-        import anyio
+        from pipeline.core.runtime import run_main
 
-        anyio.run(serve_workers, int(args.serve_workers[0]), args.serve_workers[1], args.rollouts)
+        run_main(serve_workers, int(args.serve_workers[0]), args.serve_workers[1], args.rollouts)
     elif args.workers:
         sys.exit(bench_workers(args))
     elif args.client:

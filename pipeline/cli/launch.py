@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -90,7 +91,8 @@ async def run_experiment(
     await build_model(exp)
     log = open_event_log(rd, exp)
     sup = Supervisor(exp, resolve, log, config_path=config_path, handle_signals=handle_signals, run_dir=rd.path)
-    logs.get_logger(actor="run").info("run started", run_dir=str(rd.path), experiment=exp.name)
+    logs.get_logger(actor="run").info("run started", run_dir=str(rd.path), experiment=exp.name,
+                                      event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
     try:
         await sup.run()
     finally:

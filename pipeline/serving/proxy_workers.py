@@ -40,6 +40,7 @@ import msgspec
 from anyio.abc import TaskStatus
 
 from pipeline.core.logs import configure, get_logger
+from pipeline.core.runtime import run_main
 from pipeline.messages import CallFailed, CallStarted, Message, ModelCall, ProxyEndpoint, RolloutRequest
 from pipeline.serving.engine import EngineProcess
 from pipeline.serving.factory import EngineSettings, open_renderer
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker", type=int, required=True)
     args = p.parse_args(argv)
     configure()
-    asyncio.run(worker_main(args.control, args.worker))
+    run_main(worker_main, args.control, args.worker)
 
 
 if __name__ == "__main__":

@@ -204,3 +204,21 @@ async def test_concurrent_sends_to_a_finished_receiver_do_not_crash():
         for i in range(20):
             tg.start_soon(out.send, Note(seq=i))
     assert other_recv.statistics().current_buffer_used == 20
+
+
+async def _loop_module() -> str:
+    import asyncio
+
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
+def test_processes_run_on_uvloop_unless_told_otherwise(monkeypatch):
+    from pipeline.core.runtime import EVENT_LOOP_ENV, run_main
+
+    monkeypatch.delenv(EVENT_LOOP_ENV, raising=False)
+    assert run_main(_loop_module) == "uvloop"
+    monkeypatch.setenv(EVENT_LOOP_ENV, "asyncio")
+    assert run_main(_loop_module) == "asyncio"
+    monkeypatch.setenv(EVENT_LOOP_ENV, "trio")
+    with pytest.raises(SystemExit, match="BRIDLE_EVENT_LOOP='trio': use 'uvloop' or 'asyncio'"):
+        run_main(_loop_module)

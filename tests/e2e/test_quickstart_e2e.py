@@ -37,6 +37,9 @@ def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):
     for name in ("events.msgpack", "metrics.jsonl", "plots.png", "config.toml", "log.jsonl"):
         assert (run_dir / name).exists(), name
     assert list((run_dir / "checkpoints").glob("step*")), "no checkpoint"
+    started = [e for e in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())
+               if e.get("event") == "run started"]
+    assert [e["event_loop"] for e in started] == ["uvloop"]  # the proxy's loop is its throughput limit
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [m for m in metrics if m["kind"] == "rl_step"]
     assert [m["step"] for m in rl] == [1, 2]

@@ -48,6 +48,7 @@ import msgspec
 
 from pipeline.core.logs import get_logger
 from pipeline.core.runfiles import safe_name
+from pipeline.core.runtime import run_main
 from pipeline.messages import RolloutFinished, RolloutRequest
 from pipeline.rollout.judge import Judge, JudgeError, take_snapshot
 from pipeline.rollout.sandbox.base import Verdict, VerifierError, harness_limit, judged, judged_verdict
@@ -272,7 +273,7 @@ def run_on_node(job_bytes: bytes, task_archive: bytes) -> bytes:
 
     job = msgspec.msgpack.decode(job_bytes, type=NodeJob)
     node_id = ray.get_runtime_context().get_node_id()
-    return msgspec.msgpack.encode(anyio.run(_run_on_node, job, task_archive, node_id))
+    return msgspec.msgpack.encode(run_main(_run_on_node, job, task_archive, node_id))
 
 
 async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeResult:

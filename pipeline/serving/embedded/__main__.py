@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
 import torch
 
 import pipeline.serving.embedded as package
 from pipeline.core.logs import configure
+from pipeline.core.runtime import run_main
 from pipeline.serving.embedded.server import serve
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     configure(level=args.log_level)
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
-    asyncio.run(serve(args))
+    run_main(serve, args)
 
 
 if __name__ == "__main__":
