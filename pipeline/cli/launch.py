@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shutil
@@ -23,7 +22,7 @@ from pipeline.core import config as cfg
 from pipeline.core import logs
 from pipeline.core.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
 from pipeline.core.runfiles import run_tag
-from pipeline.core.runtime import Graph, Interrupted, Resolver, Resume, Supervisor
+from pipeline.core.runtime import Graph, Interrupted, Resolver, Resume, Supervisor, event_loop_name
 from pipeline.messages import SCHEMA_VERSION, ConfigChanged
 
 
@@ -92,7 +91,7 @@ async def run_experiment(
     log = open_event_log(rd, exp)
     sup = Supervisor(exp, resolve, log, config_path=config_path, handle_signals=handle_signals, run_dir=rd.path)
     logs.get_logger(actor="run").info("run started", run_dir=str(rd.path), experiment=exp.name,
-                                      event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
+                                      event_loop=event_loop_name())
     try:
         await sup.run()
     finally:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import logging
@@ -146,7 +147,7 @@ EVENT_LOOP_ENV = "BRIDLE_EVENT_LOOP"
 def use_uvloop() -> bool:
     """Whether bridle's processes run on uvloop (the default where it is installed) or on asyncio's own loop
     (``BRIDLE_EVENT_LOOP=asyncio``, e.g. for asyncio's debug mode). The proxy's event loop is its throughput limit, and
-    uvloop's transports and callbacks cost it ≈ 9 % less CPU per call (benchmarks/README.md)."""
+    uvloop's transports and callbacks cost it ≈ 10 % less CPU per call (benchmarks/README.md)."""
     choice = os.environ.get(EVENT_LOOP_ENV, "").strip().lower()
     if choice not in ("", "uvloop", "asyncio"):
         raise SystemExit(f"{EVENT_LOOP_ENV}={choice!r}: use 'uvloop' or 'asyncio' (or leave it unset: uvloop)")
@@ -164,6 +165,11 @@ def use_uvloop() -> bool:
 def run_main(fn: Callable[..., Any], *args: Any) -> Any:
     """Run a process's top-level coroutine function on bridle's event loop (see :func:`use_uvloop`)."""
     return anyio.run(fn, *args, backend_options={"use_uvloop": use_uvloop()})
+
+
+def event_loop_name() -> str:
+    """The running loop's library: "uvloop" or "asyncio"."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 
 def on_emergency(stop: Callable[[], None]) -> Callable[[], None]:

@@ -206,14 +206,11 @@ async def test_concurrent_sends_to_a_finished_receiver_do_not_crash():
     assert other_recv.statistics().current_buffer_used == 20
 
 
-async def _loop_module() -> str:
-    import asyncio
-
-    return type(asyncio.get_running_loop()).__module__.split(".")[0]
-
-
 def test_processes_run_on_uvloop_unless_told_otherwise(monkeypatch):
-    from pipeline.core.runtime import EVENT_LOOP_ENV, run_main
+    from pipeline.core.runtime import EVENT_LOOP_ENV, event_loop_name, run_main
+
+    async def _loop_module() -> str:
+        return event_loop_name()
 
     monkeypatch.delenv(EVENT_LOOP_ENV, raising=False)
     assert run_main(_loop_module) == "uvloop"
