@@ -48,6 +48,8 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_running_requests: int = 32  # embedded
     threads: int = 0  # embedded: torch threads per engine (0 = half the cores, shared out among the replicas)
     context_len: int = 0  # embedded: the context length (0: the model's own)
+    device: str = "cpu"  # embedded: "cpu", "cuda" or "cuda:N" (where its model runs)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded: the served weights' dtype
     sglang_args: list[str] = msgspec.field(default_factory=list)  # sglang: extra launch_server arguments
     log_path: str = ""  # the engine process's log (default: engine-<kind>.log in the run folder)
 
@@ -120,7 +122,8 @@ def _http_engine(s: EngineSettings, log_path: Path | None) -> AbstractAsyncConte
         if not s.model:
             raise ValueError("[engine].model: the embedded engine needs a HF model folder")
         options = {"weight_version": str(s.weight_version), "max_running_requests": s.max_running_requests,
-                   "threads": s.threads or engine_threads(s.replicas), "context_length": s.context_len or None}
+                   "threads": s.threads or engine_threads(s.replicas), "context_length": s.context_len or None,
+                   "device": s.device, "dtype": s.dtype}
         if s.replicas > 1:
             return launch_embedded_fleet(s.model, s.replicas, s.router, log_path=log_path, **options)
         return launch_embedded(s.model, log_path=log_path, **options)

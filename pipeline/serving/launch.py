@@ -224,6 +224,8 @@ async def launch_embedded(
     max_running_requests: int = 32,
     threads: int = 0,
     context_length: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
     timeout_s: float = 180.0,
     log_path: Path | None = None,
     python: str = sys.executable,
@@ -256,6 +258,10 @@ async def launch_embedded(
         str(max_running_requests),
         "--threads",
         str(threads),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
     ]
     if context_length:
         cmd += ["--context-length", str(context_length)]

@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,7 +107,7 @@ class Learner:
         policy.to(dtype)
         policy.set_attn_implementation(impl)
         if cfg.gradient_checkpointing:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _checkpointing(policy, True)
         policy.train()
 
         self.reference: nn.Module | None = None
@@ -124,6 +125,7 @@ class Learner:
         acc.register_for_checkpointing(self.scheduler)
         self.step = 0
         self.version = cfg.initial_version
+        self._told_oversized = False
 
     # ----------------------------------------------------------------------------------------- public API
     def train_step(self, groups: list[TreeGroup]) -> dict[str, float]:
@@ -362,6 +364,31 @@ class Learner:
             values=values,
         )
 
+    @contextlib.contextmanager
+    def _checkpointing_if_oversized(self, mb: MicroBatch) -> Iterator[None]:
+        """Activation checkpointing for the forward and backward of a micro-batch over ``micro_batch_tokens``: a root
+        subtree larger than the budget goes alone (attention cannot be cut inside a tree), and its activations would
+        not fit where the budget's do (on an H200 a 59k-token tree of Qwen3-0.6B needs more than its 141 GB without
+        checkpointing, benchmarks/results/2026-12-04-gpu-h200.md). Only layer inputs are kept; each layer is
+        recomputed in the backward pass. Nothing changes numerically."""
+        cfg = self.config
+        if cfg.gradient_checkpointing or len(mb.forest) <= cfg.micro_batch_tokens:
+            yield
+            return
+        if not self._told_oversized:  # once per run: it is a property of the data, not an event
+            self._told_oversized = True
+            _log().info("oversized_micro_batch", tokens=len(mb.forest), micro_batch_tokens=cfg.micro_batch_tokens,
+                        activation_checkpointing=True)
+        policy = self._policy()
+        _checkpointing(policy, True)
+        try:
+            yield
+        finally:
+            _checkpointing(policy, False)
+            # enabling hooks the input embeddings (their output must require grad) and disabling leaves the hook;
+            # one more per oversized micro-batch would pile up over a run
+            policy.disable_input_require_grads()
+
     def _temperature(self, mb: MicroBatch) -> float | torch.Tensor:
         """One value when the whole micro-batch shares it (the usual case), else one per target row."""
         if mb.temperature.size and (mb.temperature == mb.temperature[0]).all():
@@ -419,7 +446,7 @@ class Learner:
         sums: dict[str, float] = {"tokens": 0.0, "trainable_tokens": float(local), "loss": 0.0}
         for k, mb in enumerate(mbs):
             sync = contextlib.nullcontext() if k == len(mbs) - 1 else acc.no_sync(self.net)
-            with sync:
+            with sync, self._checkpointing_if_oversized(mb):
                 out = self._forward(mb, values=value_mode)
                 logp = out["logp"]
                 parts = self._loss_parts(mb, out, logp, ppo=ppo, value_phase=value_phase, sft=sft)
@@ -532,6 +559,21 @@ class Learner:
             if key in sums:
                 m[key] = sums[key]
         return m
+
+
+def _checkpointing(policy: nn.Module, on: bool) -> None:
+    """Activation checkpointing of the transformer's layers on or off (transformers >= 5.25 names it "activation
+    checkpointing" and deprecates the older "gradient checkpointing" methods, which earlier 5.x releases alone have).
+    Non-reentrant: it works with inputs that need no gradient and with DDP."""
+    if on:
+        if hasattr(policy, "activation_checkpointing_enable"):
+            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(policy, "activation_checkpointing_disable"):
+        policy.activation_checkpointing_disable()
+    else:
+        policy.gradient_checkpointing_disable()
 
 
 def _merge(sums: dict[str, float], parts: dict[str, Any]) -> None:

@@ -414,3 +414,43 @@ def test_a_restart_replaces_the_port_file_a_crashed_engine_left(tmp_path):
         assert not stale.exists()  # and gone after a clean stop
 
     anyio.run(main)
+
+
+def test_model_info_names_device_and_dtype(engine):
+    info = engine.run(lambda c: c.model_info())
+    assert (info["device"], info["dtype"]) == ("cpu", "float32")
+
+
+def test_bfloat16_engine_samples_what_bf16_teacher_forcing_gives(tmp_path):
+    """``dtype = "bfloat16"`` ([proxy.engine] dtype) serves the weights in bf16: greedy tokens and their logprobs
+    are a bf16 teacher-forced forward's, within bf16's rounding."""
+    vocab = VocabTable.from_sequences([WORDS])
+    path = create_small_model(tmp_path / "m", vocab=vocab, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    prompt = prompt_of(3, 10)
+    s = EngineSampling(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+    async def main():
+        async with launch_embedded(path, threads=1, dtype="bfloat16", timeout_s=120) as c:
+            return await c.model_info(), await c.generate(prompt, s)
+
+    info, res = anyio.run(main)
+    assert (info["device"], info["dtype"]) == ("cpu", "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = torch.as_tensor(vocab.to_compact(prompt + res.output_ids))
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids[None]).logits[0].float(), dim=-1)[len(prompt) - 1 : -1]
+    assert torch.allclose(torch.tensor(res.logprobs), lp.gather(1, ids[len(prompt) :, None])[:, 0], atol=2e-2)
+
+
+@pytest.mark.parametrize("device", ["cuda:99", "tpu"])
+def test_a_device_the_machine_lacks_is_refused_with_what_to_do(tmp_path, device):
+    """The engine exits at start, and the launcher's error carries the engine's reason (the option and the fix)."""
+    path = create_small_model(tmp_path / "m", vocab=VocabTable.from_sequences([WORDS]), hidden_size=32,
+                              num_layers=1, num_heads=2, num_kv_heads=1)
+
+    async def main():
+        async with launch_embedded(path, threads=1, device=device, timeout_s=120):
+            pass
+
+    with pytest.raises(RuntimeError, match=f"--device '{device}'"):
+        anyio.run(main)

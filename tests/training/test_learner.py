@@ -300,7 +300,6 @@ def test_pack_helper_is_what_the_contract_says():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_flex_attention_path_equals_dense():
     """The GPU code path (flex-attention BlockMask) run on CPU through inductor gives the dense path's log-probs
     and values. Forward only: torch has no flex-attention backward on CPU."""
@@ -337,6 +336,32 @@ def test_micro_batches_split_at_roots_without_changing_the_step():
     g_whole, g_split = _grads(whole), _grads(split)
     for name in g_whole:
         torch.testing.assert_close(g_split[name], g_whole[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("attention", ["dense", "chunked"])
+def test_a_micro_batch_over_the_budget_is_trained_with_activation_checkpointing(attention):
+    """A tree larger than micro_batch_tokens goes alone; its forward and backward run with activation checkpointing
+    (only layer inputs kept), and nothing changes numerically. Micro-batches within the budget run without it, and
+    no hook is left behind on the embeddings."""
+    groups = _random_groups(0)
+    model = tiny_qwen3(0)
+    kw = {"attention": attention, "attention_chunk": 5, "kl_coef": 0.1}
+    plain = _learner(copy.deepcopy(model), micro_batch_tokens=100_000, **kw)
+    tight = _learner(copy.deepcopy(model), micro_batch_tokens=8, **kw)
+    seen: dict[str, list[bool]] = {"plain": [], "tight": []}
+    for name, lrn in (("plain", plain), ("tight", tight)):
+        layers = lrn._policy().model.layers
+        layers[0].register_forward_pre_hook(
+            lambda m, args, name=name: seen[name].append(bool(m.gradient_checkpointing and torch.is_grad_enabled())))
+    m_plain, m_tight = plain.loss_and_grads(groups), tight.loss_and_grads(groups)
+    assert seen["plain"] and not any(seen["plain"])
+    assert seen["tight"] and all(seen["tight"])  # every micro-batch of this tree is over 8 tokens
+    assert not tight._policy().model.layers[0].gradient_checkpointing  # off again after the step
+    assert not getattr(tight._policy(), "_require_grads_hooks", [])
+    assert m_tight["loss"] == pytest.approx(m_plain["loss"], abs=1e-6)
+    g_plain, g_tight = _grads(plain), _grads(tight)
+    for name in g_plain:
+        torch.testing.assert_close(g_tight[name], g_plain[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_tree_builder_groups_match_the_reference():

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help='"cpu", "cuda" or "cuda:N": where the model runs')
     p.add_argument(
         "--threads",
         type=int,

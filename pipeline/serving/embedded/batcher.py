@@ -133,7 +133,7 @@ class Batcher:
         self.rows: list[Req] = []  # row i of the batch cache
         self.joining: list[Req] = []  # taken from waiting, being prefilled
         self.cache: Any = None  # the batch's DynamicCache, rebuilt only when rows join or leave
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.mask = self._no_mask()
         self.paused = False
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="decode", daemon=True)
@@ -187,6 +187,9 @@ class Batcher:
                 self._fail_all(f"{type(e).__name__}: {e}")
             self._drop_finished()
 
+    def _no_mask(self) -> torch.Tensor:
+        return torch.zeros(0, 0, dtype=torch.long, device=self.runner.device)
+
     def _fail_all(self, error: str) -> None:
         """Answer every admitted request with an error (HTTP 500) and start from an empty batch."""
         self.error = error
@@ -195,7 +198,7 @@ class Batcher:
                 r.finish = {"type": "abort", "message": f"engine error: {error}"}
                 r.deliver({"error": error}, True)
         self.rows, self.joining, self.cache = [], [], None
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.mask = self._no_mask()
 
     def _command(self, cmd: Command) -> None:
         match cmd:
@@ -264,7 +267,7 @@ class Batcher:
     def _set_batch(self, members: list[tuple[Req, KV, int]]) -> None:
         """Rebuild the batch from (request, kv source, row in that source); left-pad to the longest sequence."""
         if not members:
-            self.rows, self.cache, self.mask = [], None, torch.zeros(0, 0, dtype=torch.long)
+            self.rows, self.cache, self.mask = [], None, self._no_mask()
             return
         width = max(r.n_cached for r, _, _ in members)
         kv: KV = []
@@ -280,7 +283,7 @@ class Batcher:
                 ks.append(k)
                 vs.append(v)
             kv.append((torch.cat(ks), torch.cat(vs)))
-        mask = torch.zeros(len(members), width, dtype=torch.long)
+        mask = torch.zeros(len(members), width, dtype=torch.long, device=self.runner.device)
         for i, (r, _, _) in enumerate(members):
             mask[i, width - r.n_cached :] = 1
         self.rows, self.cache, self.mask = [r for r, _, _ in members], self.runner.new_cache(kv), mask
@@ -303,7 +306,7 @@ class Batcher:
 
     def _step(self) -> None:
         b = len(self.rows)
-        mask = torch.cat([self.mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
+        mask = torch.cat([self.mask, self.mask.new_ones(b, 1)], dim=1)
         logits = self.runner.decode(
             [r.out_model[-1] for r in self.rows], [r.n_cached for r in self.rows], mask, self.cache
         )
@@ -323,7 +326,8 @@ class Batcher:
         filtering (``log_softmax(logits)`` when greedy).
         """
         greedy = [r.temperature < GREEDY_EPS for r in rows]
-        temps = torch.tensor([1.0 if g else r.temperature for r, g in zip(rows, greedy, strict=True)])
+        temps = torch.tensor([1.0 if g else r.temperature for r, g in zip(rows, greedy, strict=True)],
+                             device=logits.device)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         toks = torch.argmax(logits, dim=-1)
         sampled = [i for i, g in enumerate(greedy) if not g]
@@ -361,7 +365,8 @@ def _draw(rows: list[Req], probs: torch.Tensor) -> torch.Tensor:
             cum = torch.cumsum(sp, dim=0)
             drop = (cum - sp) > r.top_p * cum[-1]  # keep the smallest prefix reaching top_p of the mass
             probs[k] = probs[k].scatter(0, order, torch.where(drop, 0.0, sp))
-    u = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows])
+    # the generators are the CPU's (a request's seed gives the same draws on any device)
+    u = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]).to(probs.device)
     cdf = torch.cumsum(probs, dim=1)
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     # u < 1, but rounding could still land past the last token with probability > 0

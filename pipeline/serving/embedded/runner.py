@@ -23,15 +23,33 @@ class BadRequest(Exception):
     """A request the engine refuses with HTTP 400; the message says what to change."""
 
 
+def parse_device(device: str) -> torch.device:
+    """``--device``: "cpu", "cuda" or "cuda:N"; refused with what to do when this machine cannot run it."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f'--device {device!r}: expected "cpu", "cuda" or "cuda:N"') from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f'--device {device!r}: the embedded engine runs on "cpu" or "cuda[:N]"')
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device!r}: this torch build sees no CUDA GPU ([proxy.engine] device); "
+                             'use device = "cpu", or install a CUDA build of torch')
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
 class ModelRunner:
     """The model and its forward passes (see the module docstring for which thread calls what)."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, context_length: int | None) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, context_length: int | None, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
+        self.device = parse_device(device)
         self.model_dir = model_dir
         self.vocab: VocabTable | None = load_vocab_table(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
         self.config = self.model.config
         self.dtype = dtype
         self.model_vocab = int(self.config.vocab_size)
@@ -71,7 +89,7 @@ class ModelRunner:
         """Logits after the last token (float32, [V]) and the sequence's KV per layer ([1, H, L, D])."""
         cache = self.new_cache()
         out = self.model(
-            input_ids=torch.tensor([ids], dtype=torch.long),
+            input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
             use_cache=True,
             logits_to_keep=1,
             **{self._cache_kw: cache},
@@ -82,8 +100,8 @@ class ModelRunner:
     def decode(self, tokens: list[int], positions: list[int], mask: torch.Tensor, cache) -> torch.Tensor:
         """One batched step: next-token logits [B, V] (float32). ``mask`` covers the cache plus the new token."""
         out = self.model(
-            input_ids=torch.tensor(tokens, dtype=torch.long)[:, None],
-            position_ids=torch.tensor(positions, dtype=torch.long)[:, None],
+            input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None],
+            position_ids=torch.tensor(positions, dtype=torch.long, device=self.device)[:, None],
             attention_mask=mask,
             use_cache=True,
             **{self._cache_kw: cache},

@@ -461,6 +461,7 @@ class EngineServer:
                 "model_vocab_size": r.model_vocab,
                 "context_length": r.context_length,
                 "dtype": str(r.dtype).removeprefix("torch."),
+                "device": str(r.device),
                 "eos_token_ids": sorted(r.eos_ids),
             }
         )
@@ -494,7 +495,7 @@ def _publish_port(port_file: str, port: int) -> None:
 async def serve(args: argparse.Namespace) -> None:
     """Load the model, start the decode thread and the HTTP server; serve until SIGTERM/SIGINT or orphaned."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    runner = await asyncio.to_thread(ModelRunner, Path(args.model), dtype, args.context_length)
+    runner = await asyncio.to_thread(ModelRunner, Path(args.model), dtype, args.context_length, args.device)
     batcher = Batcher(runner, version=args.weight_version, max_running=args.max_running_requests)
     batcher.thread.start()
     server = EngineServer(runner, batcher, args.model)
@@ -511,6 +512,8 @@ async def serve(args: argparse.Namespace) -> None:
         url=f"http://{args.host}:{port}",
         model=args.model,
         vocab="reduced" if runner.vocab else "full",
+        device=str(runner.device),
+        dtype=args.dtype,
         threads=torch.get_num_threads(),
     )
     stop = asyncio.Event()
