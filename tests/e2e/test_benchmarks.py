@@ -158,3 +158,21 @@ def test_harness_benchmark_short_run(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| whitebox | 4 |"))
     assert "ok×1, reward 1.00" in row and "exact=3 first=1" in row
     assert "| whitebox | compaction: 1 labelled, 1 confirmed, 2 segments, main calls trained yes |" in text
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_numerics_and_engine_parts_at_toy_sizes(tmp_path):
+    """``benchmarks/gpu_check.py --quick`` on a CPU: the flex part (the chunked layout stands in for flex, whose
+    backward needs CUDA) compares every case with the path-expanded reference, and the engine part checks the
+    embedded engine's logprobs against teacher forcing in fp32 and bf16. The GPU run is the same code at full size."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path),
+                           "--quick", "--parts", "flex,engine"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## flex: ok" in summary and "## engine: ok" in summary, summary
+    flex = json.loads((tmp_path / "flex.json").read_text())
+    assert len(flex["rows"]) == 4 and all(r["ok"] for r in flex["rows"])
+    assert all(r["fp32_rel"] <= 1e-4 and r["bf16_tree_rel"] > 0 for r in flex["rows"])
+    engine = json.loads((tmp_path / "engine.json").read_text())
+    assert engine["engine_float32_vs_tf_float32"] <= 1e-3 and engine["max_batch_bfloat16"] > 1
