@@ -58,7 +58,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for summary.md and the parts' logs")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
-    ap.add_argument("--deadline-s", type=float, default=560.0, help="all parts together")
+    ap.add_argument("--deadline-s", type=float, default=560.0,
+                    help="all parts together (their own limits add up to more: split a device run with --parts)")
     ap.add_argument("--quick", action="store_true", help="toy sizes: check the script itself (CPU is fine)")
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)  # internal: run one part in this process
     args = ap.parse_args()
@@ -67,12 +68,18 @@ def main() -> None:
         result = {"flex": part_flex, "engine": part_engine}[args.part](args)
         (args.out / f"{args.part}.json").write_text(json.dumps(result, indent=1))
         return
+    names = args.parts.split(",")
+    if unknown := [n for n in names if n not in PARTS]:
+        ap.error(f"--parts: unknown {unknown}; choose from {','.join(PARTS)}")
     t_end = time.monotonic() + args.deadline_s
-    summary = [f"# GPU check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "", environment(), ""]
-    for name in args.parts.split(","):
+    quick = " (--quick: toy sizes, not measurements)" if args.quick else ""
+    summary = [f"# GPU check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{quick}", "", environment(), ""]
+    failed = []
+    for name in names:
         left = t_end - time.monotonic()
         if left < 15:
             summary += [f"## {name}", "", f"not run: the deadline (--deadline-s {args.deadline_s:.0f}) was reached", ""]
+            failed.append(name)
             continue
         limit = min(LIMITS[name], left)
         print(f"\n===== {name} (limit {limit:.0f} s)", flush=True)
@@ -80,10 +87,14 @@ def main() -> None:
         rc, text = run_part(name, args, limit)
         took = time.monotonic() - t0
         status = "ok" if rc == 0 else ("TIMED OUT" if rc is None else f"FAILED (exit {rc})")
+        if rc != 0:
+            failed.append(name)
         summary += [f"## {name}: {status}, {took:.0f} s", "", "```", text.rstrip()[-6000:], "```", ""]
         (args.out / "summary.md").write_text("\n".join(summary))
     (args.out / "summary.md").write_text("\n".join(summary))
-    print(f"\nwrote {args.out / 'summary.md'}")
+    print(f"\nwrote {args.out / 'summary.md'}" + (f"; not ok: {', '.join(failed)}" if failed else ""))
+    if failed:
+        raise SystemExit(1)
 
 
 def environment() -> str:

@@ -375,10 +375,11 @@ class Learner:
         if cfg.gradient_checkpointing or len(mb.forest) <= cfg.micro_batch_tokens:
             yield
             return
-        if not self._told_oversized:  # once per run: it is a property of the data, not an event
+        if not self._told_oversized:  # once per learner, rank 0 only: a property of the data, not an event
             self._told_oversized = True
-            _log().info("oversized_micro_batch", tokens=len(mb.forest), micro_batch_tokens=cfg.micro_batch_tokens,
-                        activation_checkpointing=True)
+            if self.accelerator.is_main_process:
+                _log().info("oversized_micro_batch", tokens=len(mb.forest),
+                            micro_batch_tokens=cfg.micro_batch_tokens, activation_checkpointing=True)
         policy = self._policy()
         _checkpointing(policy, True)
         try:

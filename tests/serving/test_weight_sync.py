@@ -128,7 +128,7 @@ def test_a_group_that_cannot_be_set_up_fails_join_and_leaves_no_group(engines):
 
     async def main():
         async with HttpEngine(a) as c:
-            with pytest.raises(EngineBadRequest, match="use \"gloo\""):
+            with pytest.raises(EngineBadRequest, match="sync_backend = \"gloo\""):
                 await c.init_weights_update_group("127.0.0.1", 1, anyio.lowlevel.checkpoint, backend="nccl",
                                                   group_name="weight_update_group")
             # nothing joined, so there is nothing to leave

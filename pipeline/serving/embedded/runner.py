@@ -33,8 +33,9 @@ def parse_device(device: str) -> torch.device:
         raise ValueError(f'--device {device!r}: the embedded engine runs on "cpu" or "cuda[:N]"')
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {device!r}: this torch build sees no CUDA GPU ([proxy.engine] device); "
-                             'use device = "cpu", or install a CUDA build of torch')
+            why = ("this torch is a CPU build: install a CUDA build of torch" if torch.version.cuda is None
+                   else "torch sees no CUDA GPU: check CUDA_VISIBLE_DEVICES and the driver")
+            raise ValueError(f"--device {device!r} ([proxy.engine] device): {why}, or use the CPU")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     return dev
