@@ -279,6 +279,15 @@ def part_flex(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------------- part 4: engine on CUDA
+def _teacher_forced(model: Any, prompt: list[int], output: list[int], device: str) -> Any:
+    """log softmax(logits) of each output token after the prompt and the output before it (T = 1), on the CPU."""
+    import torch
+
+    ids = torch.tensor([prompt + output], device=device)
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(output, device=device)[:, None])[:, 0].cpu()
+
+
 def part_engine(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
 
@@ -312,7 +321,8 @@ async def _engine(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         del model
-        tf: dict[str, list[torch.Tensor]] = {}
+        engine_lp: dict[str, list[torch.Tensor]] = {}
+        sampled: dict[str, list[list[int]]] = {}
         for dtype in ("bfloat16", "float32"):
             async with launch_embedded(tmp, device=device, dtype=dtype, max_running_requests=16, timeout_s=300,
                                        log_path=args.out / f"engine-{dtype}.log", threads=4) as client:
@@ -341,33 +351,29 @@ async def _engine(args: argparse.Namespace) -> dict[str, Any]:
                     for i in range(16):
                         tg.start_soon(one, i)
                 res[f"max_batch_{dtype}"] = (await client.server_info())["max_batch"]
-            tf[dtype] = [torch.tensor(o.logprobs) for o in outs]
-            if dtype == "bfloat16":
-                sampled = [o.output_ids for o in outs]
-            else:
-                # Same seeds, other dtype: tokens may differ; teacher-force each engine's own tokens.
-                sampled32 = [o.output_ids for o in outs]
-        # Teacher forcing in this process, one sequence at a time, no cache, no padding.
-        errs: dict[str, float] = {}
-        for dtype, toks in (("bfloat16", sampled), ("float32", sampled32)):
-            ref: dict[str, list[torch.Tensor]] = {}
-            for ref_dtype in {dtype, "float32"}:
-                m = AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, ref_dtype)).to(device).eval()
-                ref[ref_dtype] = []
-                with torch.inference_mode():
-                    for p, o in zip(prompts, toks, strict=True):
-                        ids = torch.tensor([p + o], device=device)
-                        logits = m(input_ids=ids).logits[0, len(p) - 1 : -1].float()
-                        lp = torch.log_softmax(logits / 1.0, dim=-1).gather(1, torch.tensor(o, device=device)[:, None])
-                        ref[ref_dtype].append(lp[:, 0].cpu())
-                del m
-            errs[f"engine_{dtype}_vs_tf_{dtype}"] = max(float((a - b).abs().max())
-                                                       for a, b in zip(tf[dtype], ref[dtype], strict=True))
-            errs[f"engine_{dtype}_vs_tf_float32"] = max(float((a - b).abs().max())
-                                                       for a, b in zip(tf[dtype], ref["float32"], strict=True))
-            if dtype == "bfloat16":
-                errs["tf_bfloat16_vs_tf_float32"] = max(float((a - b).abs().max())
-                                                        for a, b in zip(ref["bfloat16"], ref["float32"], strict=True))
+            engine_lp[dtype] = [torch.tensor(o.logprobs) for o in outs]
+            # same seeds, other dtype: the tokens may differ, so each engine's own tokens are teacher-forced
+            sampled[dtype] = [o.output_ids for o in outs]
+        # Teacher forcing in this process, one sequence at a time, no cache, no padding; each model loaded once.
+        # tf[(model dtype, engine dtype)]: the model's logprobs of that engine's tokens.
+        tf: dict[tuple[str, str], list[torch.Tensor]] = {}
+        for model_dtype, engines in (("bfloat16", ["bfloat16"]), ("float32", ["bfloat16", "float32"])):
+            m = AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, model_dtype)).to(device).eval()
+            with torch.inference_mode():
+                for engine_dtype in engines:
+                    tf[(model_dtype, engine_dtype)] = [_teacher_forced(m, p, o, device)
+                                                       for p, o in zip(prompts, sampled[engine_dtype], strict=True)]
+            del m
+
+        def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+            return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+        errs = {
+            "engine_bfloat16_vs_tf_bfloat16": worst(engine_lp["bfloat16"], tf[("bfloat16", "bfloat16")]),
+            "engine_bfloat16_vs_tf_float32": worst(engine_lp["bfloat16"], tf[("float32", "bfloat16")]),
+            "tf_bfloat16_vs_tf_float32": worst(tf[("bfloat16", "bfloat16")], tf[("float32", "bfloat16")]),
+            "engine_float32_vs_tf_float32": worst(engine_lp["float32"], tf[("float32", "float32")]),
+        }
     res.update(errs)
     ok32 = errs["engine_float32_vs_tf_float32"] <= 1e-3
     ok16 = errs["engine_bfloat16_vs_tf_float32"] <= max(2 * errs["tf_bfloat16_vs_tf_float32"], 1e-2)

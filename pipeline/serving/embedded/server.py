@@ -353,7 +353,8 @@ class EngineServer:
                 raise BadRequest("master_port, rank_offset and world_size must be integers")
             backend = body.get("backend", "nccl")
             if backend != "gloo":
-                raise BadRequest(f"backend {backend!r}: the embedded engine receives weights over gloo only; set [learner] sync_backend = \"gloo\"")
+                raise BadRequest(f"backend {backend!r}: the embedded engine receives weights over gloo only; "
+                                 "set [learner] sync_backend = \"gloo\"")
             name = str(body.get("group_name") or "weight_update_group")
             if name in self.groups:
                 raise BadRequest(f"group {name!r} exists; destroy it first")
