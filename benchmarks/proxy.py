@@ -143,15 +143,24 @@ async def serve_bridle(port: int, engine_url: str, rollouts: int, render_thread_
 
 
 async def serve_floor(engine: Any, renderer: Any) -> tuple[str, Any]:
-    """The floor under the bridle proxy, in its process and on its event loop: the same HTTP server and engine client
-    doing only the I/O of a call (``/io``: the body is read, not parsed; fixed prompt ids go to the engine; a fixed
-    three-event stream comes back in one write), and that plus the JSON, the conversion and the render (``/io_render``). Nothing
-    is recorded, authenticated or spliced. (base URL, server)."""
+    """The floor under the bridle proxy, in its process and on its event loop: :func:`floor_routes` on bridle's HTTP
+    server. (base URL, server)."""
+    from pipeline.serving.http_server import HttpServer
+
+    server = HttpServer(floor_routes(engine, renderer), max_body_bytes=64 << 20)
+    port = await server.listen_tcp("127.0.0.1", 0)
+    return f"http://127.0.0.1:{port}", server
+
+
+def floor_routes(engine: Any, renderer: Any) -> dict[tuple[str, str], Any]:
+    """The handlers of the floor: the same engine client doing only the I/O of a call (``/io``: the body is read, not
+    parsed; fixed prompt ids go to the engine; a fixed three-event stream comes back in one write), and that plus
+    the JSON, the conversion and the render (``/io_render``). Nothing is recorded, authenticated or spliced."""
     import numpy as np
     import orjson
 
     from pipeline.serving.engine import EngineSampling
-    from pipeline.serving.http_server import HttpServer, Response
+    from pipeline.serving.http_server import Response
     from pipeline.tokens.from_wire import from_chat
 
     sampling = EngineSampling(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=16, stop_token_ids=(151645,),
@@ -173,10 +182,7 @@ async def serve_floor(engine: Any, renderer: Any) -> tuple[str, Any]:
     async def io_render(request: Any) -> Any:
         return await call(request, renderer.render_ids(from_chat(orjson.loads(request.body))))
 
-    server = HttpServer({("POST", "/io/v1/chat/completions"): io, ("POST", "/io_render/v1/chat/completions"): io_render},
-                        max_body_bytes=64 << 20)
-    port = await server.listen_tcp("127.0.0.1", 0)
-    return f"http://127.0.0.1:{port}", server
+    return {("POST", "/io/v1/chat/completions"): io, ("POST", "/io_render/v1/chat/completions"): io_render}
 
 
 @contextlib.contextmanager

@@ -308,41 +308,43 @@ _CUSTOM_PARAMETERS = {
 
 def _responses_tools(raw: Any) -> list[Tool]:
     tools: list[Tool] = []
-
-    def add(t: dict[str, Any], where: str, namespace: str) -> None:
-        kind = t.get("type", "function")
-        if kind == "namespace":
-            ns = _str(t.get("name"), f"{where}.name")
-            for j, sub in enumerate(_list(t.get("tools") or [], f"{where}.tools")):
-                add(_obj(sub, f"{where}.tools[{j}]"), f"{where}.tools[{j}]", ns)
-            return
-        if kind not in ("function", "custom"):
-            return  # hosted tools (web_search, file_search, …) are not callable by our policy
-        name = _str(t.get("name"), f"{where}.name")
-        flat = f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
-        if kind == "custom":
-            tools.append(
-                Tool(
-                    name=flat,
-                    description=str(t.get("description") or ""),
-                    parameters=_CUSTOM_PARAMETERS,
-                    kind="custom",
-                    namespace=namespace,
-                )
-            )
-        else:
-            tools.append(
-                Tool(
-                    name=flat,
-                    description=str(t.get("description") or ""),
-                    parameters=t.get("parameters") or {},
-                    namespace=namespace,
-                )
-            )
-
     for i, t in enumerate(raw or []):
-        add(_obj(t, f"tools[{i}]"), f"tools[{i}]", "")
+        _add_responses_tool(tools, _obj(t, f"tools[{i}]"), f"tools[{i}]", "")
     return tools
+
+
+# A module function, not a closure: a closure that calls itself is a reference cycle, left for the cyclic GC on
+# every call (tests/serving/test_proxy_fastpath.py checks a call leaves none).
+def _add_responses_tool(tools: list[Tool], t: dict[str, Any], where: str, namespace: str) -> None:
+    kind = t.get("type", "function")
+    if kind == "namespace":
+        ns = _str(t.get("name"), f"{where}.name")
+        for j, sub in enumerate(_list(t.get("tools") or [], f"{where}.tools")):
+            _add_responses_tool(tools, _obj(sub, f"{where}.tools[{j}]"), f"{where}.tools[{j}]", ns)
+        return
+    if kind not in ("function", "custom"):
+        return  # hosted tools (web_search, file_search, …) are not callable by our policy
+    name = _str(t.get("name"), f"{where}.name")
+    flat = f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
+    if kind == "custom":
+        tools.append(
+            Tool(
+                name=flat,
+                description=str(t.get("description") or ""),
+                parameters=_CUSTOM_PARAMETERS,
+                kind="custom",
+                namespace=namespace,
+            )
+        )
+    else:
+        tools.append(
+            Tool(
+                name=flat,
+                description=str(t.get("description") or ""),
+                parameters=t.get("parameters") or {},
+                namespace=namespace,
+            )
+        )
 
 
 def from_responses(body: dict[str, Any]) -> Conversation:

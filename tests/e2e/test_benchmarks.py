@@ -128,6 +128,22 @@ def test_workers_short_run(tmp_path):
     assert "Proxy workers" in proc.stdout
 
 
+def test_proxy_inprocess_short_run():
+    """benchmarks/proxy_inprocess.py: both targets answer every call with a 200 (the script stops otherwise), a row
+    each, and bridle's calls leave nothing for the cyclic collector (no timing asserted)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "proxy_inprocess.py"), "--calls", "64", "--clients", "8",
+         "--rounds", "2", "--prompt-tokens", "256"],
+        cwd=str(ROOT), capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines() if ln.split()[:1] in (["bridle"], ["floor"])}
+    assert set(rows) == {"bridle", "floor"}
+    assert float(rows["bridle"][2]) > 0 and rows["floor"][2] == "-"  # render: only bridle reports one
+    assert float(rows["bridle"][-1]) == 0 and float(rows["floor"][-1]) == 0  # cyclic objects per call
+    assert "capture (bridle - floor, per round):" in proc.stdout
+
+
 def test_proxy_ab_short_run():
     """benchmarks/proxy_ab.py with this tree on both sides: both proxies answer every request, a line per round and
     the medians (no timing asserted); a folder that is no source tree is refused by name."""
