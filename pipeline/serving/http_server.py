@@ -155,7 +155,7 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.queue: deque[Request] = deque()  # pipelined requests waiting for the one being answered
         self.task: asyncio.Task[None] | None = None
         self.lost_callbacks: list[Callable[[], None]] = []  # Request.on_disconnect
@@ -179,8 +179,14 @@ class _Connection(asyncio.Protocol):
         callbacks, self.lost_callbacks = self.lost_callbacks, []
         for cb in callbacks:
             cb()
+        # the parser (its callbacks) and the transport point back at this protocol: dropped, the connection is freed
+        # by reference counting, not left for the cyclic collector
+        self.parser = None
+        self.transport = None
 
     def data_received(self, data: bytes) -> None:
+        if self.parser is None:  # lost
+            return
         self.last_active = time.monotonic()
         try:
             self.parser.feed_data(data)
@@ -266,8 +272,10 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        req = Request(self, self.parser.get_method().decode("latin-1"), self._url, self._headers, body,
-                      self.parser.should_keep_alive(), self._too_large)
+        parser = self.parser
+        assert parser is not None  # it is calling
+        req = Request(self, parser.get_method().decode("latin-1"), self._url, self._headers, body,
+                      parser.should_keep_alive(), self._too_large)
         self._body = []
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._answer(req))

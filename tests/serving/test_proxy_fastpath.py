@@ -235,22 +235,28 @@ async def test_a_call_leaves_no_reference_cycle_for_the_collector():
             {"type": "function_call", "call_id": "c1", "name": "write_file", "arguments": args},
             {"type": "function_call_output", "call_id": "c1", "output": "ok"}]},
     }
-    async with running_proxy(Script(default=[TWO]), keepalive_s=0.05) as (p, records, token), \
-            aiohttp.ClientSession() as s:
+    async with running_proxy(Script(default=[TWO]), keepalive_s=0.05) as (p, records, token):
         headers = {"Authorization": f"Bearer {token}", "x-api-key": token}
-        for path, body in bodies.items():  # warm: first-use caches are not garbage
-            await (await s.post(p.base_url + path, headers=headers, json=body)).read()
+        async with aiohttp.ClientSession() as s:
+            for path, body in bodies.items():  # warm: first-use caches are not garbage
+                await (await s.post(p.base_url + path, headers=headers, json=body)).read()
         gc.collect()
         gc.set_debug(gc.DEBUG_SAVEALL)
         try:
-            for latency in (0.0, 0.15):  # 0.15 s: past the stream head (20 ms) and two keep-alive periods
-                p.engine.script.latency_s = latency
-                for path, body in bodies.items():
-                    for stream in (True, False):
-                        r = await s.post(p.base_url + path, headers=headers, json={**body, "stream": stream})
-                        assert r.status == 200, await r.text()
-                        await r.read()
-            await anyio.sleep(0.05)
+            # a session of its own: its connections open and close while the collector keeps what it finds
+            async with aiohttp.ClientSession() as s:
+                for latency in (0.0, 0.15):  # 0.15 s: past the stream head (20 ms) and two keep-alive periods
+                    p.engine.script.latency_s = latency
+                    for path, body in bodies.items():
+                        for stream in (True, False):
+                            r = await s.post(p.base_url + path, headers=headers, json={**body, "stream": stream})
+                            assert r.status == 200, await r.text()
+                            await r.read()
+            for _ in range(50):  # the server sees the connections close
+                if not p.server.connections:
+                    break
+                await anyio.sleep(0.02)
+            assert not p.server.connections
             gc.collect()
             ours = _bridle_garbage(gc.garbage)
         finally:
