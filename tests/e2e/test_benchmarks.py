@@ -128,20 +128,22 @@ def test_workers_short_run(tmp_path):
     assert "Proxy workers" in proc.stdout
 
 
-def test_proxy_inprocess_short_run():
-    """benchmarks/proxy_inprocess.py: both targets answer every call with a 200 (the script stops otherwise), a row
-    each, and bridle's calls leave nothing for the cyclic collector (no timing asserted)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "proxy_inprocess.py"), "--calls", "64", "--clients", "8",
-         "--rounds", "2", "--prompt-tokens", "256"],
-        cwd=str(ROOT), capture_output=True, text=True, timeout=120, check=False,
-    )
+@pytest.mark.parametrize("threads", [False, True])
+def test_proxy_inprocess_short_run(threads):
+    """benchmarks/proxy_inprocess.py, tokenizing on the loop and in worker threads: both targets answer every call
+    with a 200 (the script stops otherwise), a row each, and bridle's calls leave nothing for the cyclic collector
+    (no timing asserted)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "proxy_inprocess.py"), "--calls", "64", "--clients", "8",
+           "--rounds", "2", "--prompt-tokens", "256"] + (["--render-thread-chars", "1"] if threads else [])
+    proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines() if ln.split()[:1] in (["bridle"], ["floor"])}
     assert set(rows) == {"bridle", "floor"}
-    assert float(rows["bridle"][2]) > 0 and rows["floor"][2] == "-"  # render: only bridle reports one
+    assert float(rows["bridle"][3]) > 0 and rows["floor"][3] == "-"  # render: only bridle reports one
+    off_loop = float(rows["bridle"][2])  # CPU per call off the loop: the render threads'
+    assert (off_loop > 0 if threads else off_loop < 0.01) and float(rows["floor"][2]) < 0.01
     assert float(rows["bridle"][-1]) == 0 and float(rows["floor"][-1]) == 0  # cyclic objects per call
-    assert "capture (bridle - floor, per round):" in proc.stdout
+    assert "capture (bridle - floor, loop and threads, per round):" in proc.stdout
 
 
 def test_proxy_ab_short_run():
