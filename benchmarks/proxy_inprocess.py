@@ -224,18 +224,20 @@ async def main_async(args: argparse.Namespace) -> None:
     gc.callbacks.remove(meter)
     await proxy.stop()
 
+    per_round = max(1, args.calls // args.clients) * args.clients  # whole batches of one call per connection
+
     def med(name: str, key: str) -> float:
         return statistics.median(row[key] for row in rows[name])
 
     print(f"\nProxy CPU per call in-process ({n_tokens}-token fresh prompts, {args.clients} calls in flight, "
-          f"{args.calls} calls per round, {args.rounds} rounds, medians; {event_loop_name()}; no sockets)")
+          f"{per_round} calls per round, {args.rounds} rounds, medians; {event_loop_name()}; no sockets)")
     print(f"{'target':>8}  {'loop ms/call':>12}  {'threads ms/call':>15}  {'render ms/call':>14}  {'writes/call':>11}  "
           f"{'gc passes/1k':>12}  {'gc ms/call':>10}  {'cyclic objects/call':>19}")
     for name, t in targets.items():
         render = f"{med(name, 'render_ms'):.3f}" if t.proxy else "-"
         print(f"{name:>8}  {med(name, 'cpu_ms'):12.3f}  {med(name, 'threads_ms'):15.3f}  {render:>14}  "
               f"{med(name, 'writes'):11.2f}  {med(name, 'gc_per_1k'):12.1f}  {med(name, 'gc_ms'):10.4f}  "
-              f"{garbage[name]:19.2f}")
+              f"{garbage[name]:19.3f}")
     capture = [b["cpu_ms"] + b["threads_ms"] - f["cpu_ms"] - f["threads_ms"]
                for b, f in zip(rows["bridle"], rows["floor"], strict=True)]
     print(f"capture (bridle - floor, loop and threads, per round): {', '.join(f'{c:.3f}' for c in capture)} ms; "
@@ -244,7 +246,8 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=3000, help="timed calls per round and target")
+    ap.add_argument("--calls", type=int, default=3000,
+                    help="timed calls per round and target, rounded down to whole batches of --clients")
     ap.add_argument("--clients", type=int, default=64, help="calls in flight (one connection and rollout each)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=2048)

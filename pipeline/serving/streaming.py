@@ -22,7 +22,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 class _Watch:
     """What :func:`watch_engine` needs in its callbacks. A class, not closures: the stream's timer re-arms itself, and
     a closure that names itself is a reference cycle, which kept each call's request (and its body) alive until a
-    generation-1 collection found it; without the cycles the capture costs ≈ 20 % less CPU per call
+    generation-1 collection found it; without the cycles the capture costs 7–27 % less CPU per call
     (benchmarks/results/2026-12-05-proxy-cycles.md). Cancelling the timer and dropping it on the way out leaves
     nothing cyclic behind."""
 
