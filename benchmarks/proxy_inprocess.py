@@ -116,7 +116,8 @@ class GcMeter:
 
 class Target:
     def __init__(self, name: str, server: HttpServer, path: str, tokens: list[str], proxy: Proxy | None) -> None:
-        self.name, self.server, self.path, self.tokens, self.proxy = name, server, path, tokens, proxy
+        self.name, self.path, self.proxy = name, path, proxy
+        self.sent = 0
         self.conns: list[_Connection] = []
         for _ in tokens:
             c = _Connection(server)
@@ -128,13 +129,15 @@ class Target:
         for batch in requests:
             for conn, req in zip(self.conns, batch, strict=True):
                 conn.data_received(req)
+            self.sent += len(batch)
             await asyncio.wait([c.task for c in self.conns if c.task is not None])
 
     def writes(self) -> int:
         return sum(c.transport.writes for c in self.conns)  # type: ignore[union-attr]
 
-    def check_answers(self, expected: int) -> None:
+    def check_answers(self) -> None:
         """Every call answered with a 200, or the numbers mean nothing: stop, showing an answer that failed."""
+        expected = self.sent
         answers = sum(c.transport.answers for c in self.conns)  # type: ignore[union-attr]
         failed = [f for c in self.conns for f in c.transport.failed]  # type: ignore[union-attr]
         if answers != expected or failed:
@@ -207,20 +210,18 @@ async def main_async(args: argparse.Namespace) -> None:
     gc.callbacks.append(meter)
     for name, t in targets.items():  # warm-up: first-use caches, the connections' parsers
         await t.run(batches(prompt, tokens, t.path, 2 * args.clients, f"warm-{name}"))
-    sent = {name: 2 * args.clients for name in targets}
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
     for r in range(args.rounds):
         order = list(targets) if r % 2 == 0 else list(reversed(targets))
         for name in order:
             t = targets[name]
             reqs = batches(prompt, tokens, t.path, args.calls, f"r{r}-{name}")
-            sent[name] += sum(len(b) for b in reqs)
             rows[name].append(await measure(t, reqs, meter))
             print(f"round {r} {name}: {rows[name][-1]['cpu_ms']:.3f} ms CPU per call", file=sys.stderr, flush=True)
     garbage = {name: await cyclic_garbage(t, batches(prompt, tokens, t.path, 4 * args.clients, f"gc-{name}"))
                for name, t in targets.items()}
-    for name, t in targets.items():
-        t.check_answers(sent[name] + 4 * args.clients)
+    for t in targets.values():
+        t.check_answers()
     gc.callbacks.remove(meter)
     await proxy.stop()
 
