@@ -123,7 +123,13 @@ def test_kill_9_then_resume_keeps_the_policy_and_neither_repeats_nor_skips_a_ste
     survivor = subprocess.Popen(["sleep", "600"], env={"PATH": os.defpath, MARKER_RUN: tag}, start_new_session=True)
     planted = [Path(tempfile.mkdtemp(prefix=f"{run_prefix(tag)}g99999-r0-")),
                Path(tempfile.mkdtemp(prefix=f"bridle.sock-{tag}_proxy_"))]
-    assert {"workspaces", "proxy_sockets", "processes"} <= set(leftovers_of(run_dir))
+    # the /proc scan may run before the new process is listed with its environment: look again for up to 5 s
+    for _ in range(50):
+        if {"workspaces", "proxy_sockets", "processes"} <= set(leftovers_of(run_dir)):
+            break
+        time.sleep(0.1)
+    assert {"workspaces", "proxy_sockets", "processes"} <= set(leftovers_of(run_dir)), (
+        f"planted survivor pid {survivor.pid}: exit status {survivor.poll()}")
     try:
         r = run("--resume", str(run_dir))  # watching its config.toml, which lives in the busy run directory
         killed = survivor.poll()
