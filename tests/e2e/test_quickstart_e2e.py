@@ -160,9 +160,11 @@ def test_kill_9_then_resume_keeps_the_policy_and_neither_repeats_nor_skips_a_ste
         m = json.loads(line)
         if m["source"] == "learner.rl":
             rl[m["step"]] = m  # the resumed run's records of a step replace those of the killed one
-    # a step whose groups all had one reward trains nothing and measures no KL, entropy or reward: left out
-    before = [rl[s] for s in (1, 2) if "kl" in rl[s]]
-    after = [rl[s] for s in (3, 4, 5) if "kl" in rl[s]]
+    # a step whose groups all had one reward trains nothing and measures no KL, entropy or reward: left out. So is
+    # a step whose record the kill cut off: checkpointed before the monitor wrote its line, it is not trained again
+    # (a known gap in the resumed run's metrics, not what this test checks)
+    before = [rl[s] for s in (1, 2) if "kl" in rl.get(s, {})]
+    after = [rl[s] for s in (3, 4, 5) if "kl" in rl.get(s, {})]
     assert before and after, rl
     kl_scale = max(m["kl"] for m in before)
     assert after[0]["kl"] <= 2 * kl_scale + 0.02, (before, after)
