@@ -18,7 +18,7 @@ import msgspec
 
 from pipeline.core.paths import REPO
 from pipeline.serving.engine import Engine
-from pipeline.serving.launch import attach, launch_embedded, launch_sglang
+from pipeline.serving.launch import DEFAULT_PREFIX_CACHE_MB, attach, launch_embedded, launch_sglang
 from pipeline.serving.router import RouterSettings, launch_embedded_fleet, launch_router_over
 from pipeline.serving.scripted import ScriptedEngine, load_script
 from pipeline.serving.sglang_client import HttpEngine
@@ -50,6 +50,8 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     context_len: int = 0  # embedded: the context length (0: the model's own)
     device: str = "cpu"  # embedded: "cpu", "cuda" or "cuda:N" (where its model runs)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded: the served weights' dtype
+    # embedded: MiB of KV its prefix cache may hold (0 = off); a prompt's longest cached prefix is not computed again
+    prefix_cache_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = DEFAULT_PREFIX_CACHE_MB
     sglang_args: list[str] = msgspec.field(default_factory=list)  # sglang: extra launch_server arguments
     log_path: str = ""  # the engine process's log (default: engine-<kind>.log in the run folder)
 
@@ -123,7 +125,7 @@ def _http_engine(s: EngineSettings, log_path: Path | None) -> AbstractAsyncConte
             raise ValueError("[engine].model: the embedded engine needs a HF model folder")
         options = {"weight_version": str(s.weight_version), "max_running_requests": s.max_running_requests,
                    "threads": s.threads or engine_threads(s.replicas), "context_length": s.context_len or None,
-                   "device": s.device, "dtype": s.dtype}
+                   "device": s.device, "dtype": s.dtype, "prefix_cache_mb": s.prefix_cache_mb}
         if s.replicas > 1:
             return launch_embedded_fleet(s.model, s.replicas, s.router, log_path=log_path, **options)
         return launch_embedded(s.model, log_path=log_path, **options)

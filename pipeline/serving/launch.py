@@ -36,6 +36,10 @@ from pipeline.serving.sglang_client import HttpEngine
 
 log = get_logger(actor="engine_launch")
 
+# The embedded engine's prefix cache, in MiB of KV ([proxy.engine] prefix_cache_mb): a few Claude Code contexts of
+# Qwen3-0.6B in bf16 (112 KiB a token), hundreds of the quickstart model's; memory is taken only as prompts fill it.
+DEFAULT_PREFIX_CACHE_MB = 1024
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -226,6 +230,7 @@ async def launch_embedded(
     context_length: int | None = None,
     device: str = "cpu",
     dtype: str = "float32",
+    prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB,
     timeout_s: float = 180.0,
     log_path: Path | None = None,
     python: str = sys.executable,
@@ -262,6 +267,8 @@ async def launch_embedded(
         device,
         "--dtype",
         dtype,
+        "--prefix-cache-mb",
+        str(prefix_cache_mb),
     ]
     if context_length:
         cmd += ["--context-length", str(context_length)]

@@ -49,17 +49,16 @@ INSTALL = "pip install -e '.[router]'"
 class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[proxy.engine.router]``: the sglang-router bridle starts in front of several engines."""
 
-    # "auto": round_robin for embedded engines (they keep no prefix cache), cache_aware for SGLang servers (a
-    # rollout's turns share their prefix; sending them to one server reuses its radix cache)
+    # "auto": cache_aware. A rollout's calls share their prefix, and cache_aware sends a call to the worker its prefix
+    # went to, whose prefix cache (the embedded engine's) or radix cache (SGLang's) then reuses it; round_robin
+    # reuses only what lands on the same worker by chance
     policy: Literal["auto", "round_robin", "cache_aware", "random"] = "auto"
     log_level: Literal["debug", "info", "warn", "error"] = "warn"  # "info" logs two lines per request
     args: list[str] = msgspec.field(default_factory=list)  # more launch_router arguments
     timeout_s: float = 120.0  # until the router routes to every worker
 
-    def resolved_policy(self, kind: str) -> str:
-        if self.policy != "auto":
-            return self.policy
-        return "round_robin" if kind == "embedded" else "cache_aware"
+    def resolved_policy(self) -> str:
+        return "cache_aware" if self.policy == "auto" else self.policy
 
 
 def router_available() -> bool:
@@ -147,7 +146,6 @@ async def launch_router(
     worker_urls: Sequence[str],
     settings: RouterSettings,
     *,
-    kind: str,
     host: str = "127.0.0.1",
     log_path: Path | None = None,
 ) -> AsyncIterator[tuple[str, EngineProcess]]:
@@ -156,12 +154,12 @@ async def launch_router(
         raise RuntimeError(f"several engines need sglang-router in front of them, which is not installed: {INSTALL}")
     port = free_port(host)
     cmd = router_command(worker_urls, host=host, port=port, prometheus_port=free_port(host),
-                         policy=settings.resolved_policy(kind), log_level=settings.log_level,
+                         policy=settings.resolved_policy(), log_level=settings.log_level,
                          extra_args=settings.args)
     async with process("router", cmd, log_path=log_path, actor="router") as child:
         url = f"http://{host}:{port}"
         await wait_routing(url, worker_urls, timeout_s=settings.timeout_s, child=child)
-        log.info("router ready", url=url, workers=list(worker_urls), policy=settings.resolved_policy(kind))
+        log.info("router ready", url=url, workers=list(worker_urls), policy=settings.resolved_policy())
         yield url, child
 
 
@@ -172,10 +170,9 @@ def numbered(log_path: Path | None, part: str) -> Path | None:
 
 @contextlib.asynccontextmanager
 async def _routed(
-    worker_urls: list[str], workers: list[EngineProcess], settings: RouterSettings, *, kind: str,
-    log_path: Path | None,
+    worker_urls: list[str], workers: list[EngineProcess], settings: RouterSettings, *, log_path: Path | None,
 ) -> AsyncIterator[HttpEngine]:
-    async with launch_router(worker_urls, settings, kind=kind, log_path=numbered(log_path, "router")) as (url, rp):
+    async with launch_router(worker_urls, settings, log_path=numbered(log_path, "router")) as (url, rp):
         client = HttpEngine(url, control_urls=worker_urls)
         client.processes = [rp, *workers]
         try:
@@ -201,7 +198,7 @@ async def launch_embedded_fleet(
                 launch_embedded(model_path, log_path=numbered(log_path, str(i)), **embedded))
             urls.append(worker.base_url)
             procs += [dataclasses.replace(p, name=f"engine {i}") for p in worker.processes]
-        async with _routed(urls, procs, settings, kind="embedded", log_path=log_path) as client:
+        async with _routed(urls, procs, settings, log_path=log_path) as client:
             yield client
 
 
@@ -215,6 +212,6 @@ async def launch_router_over(
     for url in urls:
         async with HttpEngine(url) as worker:
             await wait_ready(worker, timeout_s=timeout_s)
-    async with _routed(urls, [], settings, kind="sglang", log_path=log_path) as client:
+    async with _routed(urls, [], settings, log_path=log_path) as client:
         client.watch_health = True
         yield client

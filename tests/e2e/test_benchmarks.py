@@ -1,5 +1,5 @@
 """The benchmarks keep working: the proxy benchmark's throughput model on hand-checked cases and a short real
-run end to end, and a short run of the harness benchmark.
+run end to end, and short runs of the harness and engine prefix-cache benchmarks.
 
 No timing is asserted (these machines are noisy); the run checks that every path answered every request and that
 every table and verdict is printed.
@@ -176,6 +176,29 @@ def test_harness_benchmark_short_run(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| whitebox | 4 |"))
     assert "ok×1, reward 1.00" in row and "exact=3 first=1" in row
     assert "| whitebox | compaction: 1 labelled, 1 confirmed, 2 segments, main calls trained yes |" in text
+
+
+def test_engine_prefix_short_run(tmp_path):
+    """benchmarks/engine_prefix.py on the recorded OpenClaw rollout, two calls, a one-layer model: both arms answer
+    every call at full length, the cache-off engine reuses nothing, the cached one reuses the first call and the
+    shared system prompt, and the table and the goal line are printed (no timing asserted)."""
+    out = tmp_path / "prefix.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "engine_prefix.py"), "--harnesses", "openclaw", "--concurrency",
+         "1", "2", "--calls", "2", "--hidden", "32", "--layers", "1", "--json", str(out)],
+        cwd=str(ROOT), capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["harness"], r["concurrency"]) for r in rows] == [("openclaw", 1), ("openclaw", 2)]
+    for r in rows:
+        off, on = r["off"], r["on"]
+        assert off["calls"] == on["calls"] == 2 * r["concurrency"]
+        assert off["cached_tokens"] == 0 and on["cached_tokens"] > 0 and off["cache_mb"] == 0 < on["cache_mb"]
+        # every prompt token is either computed or reused: the arms send the same prompts
+        assert off["prefill_tokens"] == on["prefill_tokens"] + on["cached_tokens"]
+    assert "prefill off/on" in proc.stdout and "goal: not measured (claude-code at 4 rollouts)" in proc.stdout
 
 
 @pytest.mark.slow

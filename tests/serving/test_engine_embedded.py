@@ -63,7 +63,7 @@ def engine(tmp_path_factory):
     with anyio.from_thread.start_blocking_portal() as portal:
         cm = launch_embedded(p0, threads=1, context_length=CONTEXT, timeout_s=120)
         with portal.wrap_async_context_manager(cm) as client:
-            yield Engine(client.base_url, {str(v): str(p1 if v % 2 else p0) for v in range(5)})
+            yield Engine(client.base_url, {str(v): str(p1 if v % 2 else p0) for v in range(8)})
 
 
 async def generate_stream(url: str, input_ids: list[int], sampling: EngineSampling) -> AsyncIterator[GenerateResult]:
@@ -396,6 +396,66 @@ def test_update_weights_without_pause_fails_no_request(engine):
     for i, r in results.items():
         assert [v for _, v in r.version_spans] in ([start], [start, "3"], ["3"])
         assert torch.allclose(torch.tensor(r.logprobs), reference(engine, prompts[i], r, 1.0), atol=1e-4)
+
+
+def test_the_next_call_reuses_the_prefix_cache_and_flush_cache_empties_it(engine):
+    """A rollout's second call (its first call's prompt and output and a tool result) reuses the cached KV and says
+    so in ``meta_info["cached_tokens"]`` as SGLang does; ``/server_info`` counts it; ``/flush_cache`` (GET or POST,
+    as SGLang serves it) empties the cache and the same call is computed in full again."""
+    s = EngineSampling(temperature=0.9, max_new_tokens=12, ignore_eos=True, seed=11)
+    first_prompt = prompt_of(8, 30)
+
+    async def flush(method: str) -> tuple[int, str]:
+        async with aiohttp.ClientSession() as session, session.request(method, f"{engine.url}/flush_cache") as r:
+            return r.status, await r.text()
+
+    async def go(c):
+        await flush("POST")  # what earlier tests left (their prompts too start with <|im_start|>)
+        first = await c.generate(first_prompt, s)
+        second_prompt = first_prompt + first.output_ids + [IM_START, 2001, 2002, IM_END]
+        before = await c.server_info()
+        second = await c.generate(second_prompt, s)
+        after = await c.server_info()
+        flushed = [await flush("POST"), await flush("GET")]
+        emptied = await c.server_info()
+        again = await c.generate(second_prompt, s)
+        return second_prompt, first, second, before, after, flushed, emptied, again
+
+    prompt, first, second, before, after, flushed, emptied, again = engine.run(go)
+    assert first.meta["cached_tokens"] == 0
+    # everything but the first call's last token, which the engine sampled and never fed back
+    assert second.meta["cached_tokens"] == len(first_prompt) + len(first.output_ids) - 1
+    assert after["cached_tokens"] - before["cached_tokens"] == second.meta["cached_tokens"]
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt) - second.meta["cached_tokens"]
+    assert after["cache_hits"] == before["cache_hits"] + 1 and after["prefix_cache"]["tokens"] >= len(prompt)
+    assert 0 < after["prefix_cache"]["bytes"] <= after["prefix_cache"]["budget_bytes"]
+    assert [status for status, _ in flushed] == [200, 200]
+    assert flushed[0][1].startswith("Cache flushed.\n") and "0 cached prefix tokens" in flushed[1][1]
+    cache = emptied["prefix_cache"]
+    assert (cache["tokens"], cache["bytes"], cache["flushes"]) == (0, 0, before["prefix_cache"]["flushes"] + 2)
+    assert again.meta["cached_tokens"] == 0 and again.output_ids == second.output_ids
+    for res in (second, again):
+        assert torch.allclose(torch.tensor(res.logprobs), reference(engine, prompt, res, 0.9), atol=1e-4, rtol=0)
+
+
+def test_a_weight_update_empties_the_prefix_cache(engine):
+    """KV computed with the old weights never serves the new ones: the same prompt after an update reuses nothing,
+    and its log-probabilities are the new weights'."""
+    prompt = prompt_of(9, 40)
+    s = EngineSampling(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=3)
+
+    async def go(c):
+        start = int((await c.model_info())["weight_version"])
+        await c.generate(prompt, s)
+        await c.update_weights(engine.paths[str(start + 1)], start + 1)
+        info = await c.server_info()
+        res = await c.generate(prompt, s)
+        await c.update_weights(engine.paths[str(start + 2)], start + 2)  # back to the weights the module started with
+        return info, res
+
+    info, res = engine.run(go)
+    assert info["prefix_cache"]["tokens"] == 0 and res.meta["cached_tokens"] == 0
+    assert torch.allclose(torch.tensor(res.logprobs), reference(engine, prompt, res, 1.0), atol=1e-4, rtol=0)
 
 
 def test_a_restart_replaces_the_port_file_a_crashed_engine_left(tmp_path):

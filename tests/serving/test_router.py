@@ -160,7 +160,7 @@ async def test_a_worker_the_router_cannot_reach_is_named(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     try:
         with pytest.raises(TimeoutError, match=rf"did not route to \['{dead}'\] within 3s"):
-            async with router.launch_router([ws[0].url, dead], RouterSettings(timeout_s=3), kind="sglang",
+            async with router.launch_router([ws[0].url, dead], RouterSettings(timeout_s=3),
                                             log_path=tmp_path / "router.log"):
                 pass
     finally:
@@ -205,7 +205,7 @@ def test_a_missing_router_package_is_named(monkeypatch):
     monkeypatch.setattr(router, "router_available", lambda: False)
 
     async def main():
-        async with router.launch_router(["http://127.0.0.1:1"], RouterSettings(), kind="sglang"):
+        async with router.launch_router(["http://127.0.0.1:1"], RouterSettings()):
             pass
 
     with pytest.raises(RuntimeError, match=r"sglang-router .* not installed: pip install -e '\.\[router\]'"):
@@ -219,8 +219,8 @@ def test_router_command_line():
     assert cmd[cmd.index("--worker-urls") + 1: cmd.index("--policy")] == ["http://a:1", "http://b:2"]
     assert "--disable-retries" in cmd and cmd[cmd.index("--prometheus-port") + 1] == "6"
     assert cmd[-2:] == ["--health-check-interval-secs", "5"]
-    assert RouterSettings().resolved_policy("embedded") == "round_robin"
-    assert RouterSettings().resolved_policy("sglang") == "cache_aware"
+    assert RouterSettings().resolved_policy() == "cache_aware"
+    assert RouterSettings(policy="random").resolved_policy() == "random"
 
 
 def test_router_flags_are_the_installed_routers():

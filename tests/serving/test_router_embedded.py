@@ -1,8 +1,10 @@
 """Two embedded engines behind the real sglang-router, opened as a run opens them (``[proxy.engine] replicas = 2``):
 harness calls through the proxy spread over both, every weight update reaches both (their answers' log-probabilities
-are the new weights', token for token), and a call that spans an update records both versions at the right token.
+are the new weights', token for token), and a call that spans an update records both versions at the right token;
+routed ``cache_aware`` (the default), each rollout's calls stay on the engine whose prefix cache holds them.
 
-One fleet (two engine processes and the router, tiny reduced-vocabulary Qwen3 models) serves the whole module. Each
+One fleet (two engine processes and the router, tiny reduced-vocabulary Qwen3 models), routed round_robin so that
+the spread is known, serves the module; the cache_aware test starts its own. Each
 engine counts the requests it served (``/server_info``), which says where the router sent them. Log-probabilities
 are checked against a teacher-forced recomputation with a plain transformers forward of the weights each span names.
 """
@@ -203,3 +205,45 @@ async def _until_decoded(workers: list[str], n: int) -> None:
 
 def _fields(obj) -> dict:
     return {f: getattr(obj, f) for f in obj.__struct_fields__}
+
+
+def test_cache_aware_routing_keeps_each_rollout_on_the_engine_that_cached_it(tmp_path):
+    """``policy = "auto"`` (cache_aware) over embedded engines: concurrent rollouts of three calls each, every call
+    extending the previous one's prompt and output. The router sends each later call to the engine that served
+    the earlier ones, whose prefix cache then holds all but the previous call's last token; the answers are
+    exact."""
+    require(router_available(), f"sglang-router is not installed ({INSTALL})")
+    model = create_small_model(tmp_path / "m", seed=0, vocab=VocabTable.from_sequences([WORDS]), hidden_size=64,
+                               num_layers=2, num_heads=4, num_kv_heads=2)
+    settings = EngineSettings(kind="embedded", model=str(model), replicas=2, threads=1, context_len=1024)
+    assert settings.router.resolved_policy() == "cache_aware"
+
+    async def main():
+        calls = []
+
+        async def rollout(eng, i):
+            prompt = prompt_of(i, 150)
+            for turn in range(3):
+                res = await eng.generate(prompt, EngineSampling(max_new_tokens=8, ignore_eos=True, seed=i))
+                calls.append((i, turn, prompt, res))
+                prompt = prompt + res.output_ids + [IM_START, WORDS[turn], IM_END]
+
+        async with open_engine(settings, renderer(), run_dir=tmp_path) as eng:
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(rollout, eng, i)
+            served = []
+            for url in eng.control_urls:
+                async with HttpEngine(url) as w:
+                    served.append((await w.server_info())["requests"])
+        return calls, served
+
+    calls, served = anyio.run(main)
+    assert sum(served) == 12
+    by_call = {(i, turn): (prompt, res) for i, turn, prompt, res in calls}
+    for (i, turn), (prompt, res) in by_call.items():
+        if turn:
+            before, previous = by_call[(i, turn - 1)]
+            assert res.meta["cached_tokens"] == len(before) + len(previous.output_ids) - 1, (i, turn)
+        ref = Fleet("", [], {"0": str(model)}, tmp_path).reference(prompt, res, 1.0)
+        assert torch.allclose(torch.tensor(res.logprobs), ref, atol=1e-4, rtol=0)

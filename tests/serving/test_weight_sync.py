@@ -63,10 +63,11 @@ def run(fn):
     return anyio.run(fn)
 
 
-async def sample(url: str) -> tuple[list[int], list[float], str]:
+async def sample(url: str) -> tuple[list[int], list[float], str, int]:
+    """Output ids, logprobs, version, and the prompt tokens the engine's prefix cache supplied."""
     async with HttpEngine(url) as c:
         r = await c.generate(PROMPT, GREEDY)
-        return r.output_ids, r.logprobs, r.weight_version
+        return r.output_ids, r.logprobs, r.weight_version, r.meta["cached_tokens"]
 
 
 def test_broadcast_weights_sample_what_the_same_weights_from_disk_sample(engines, models):
@@ -74,6 +75,7 @@ def test_broadcast_weights_sample_what_the_same_weights_from_disk_sample(engines
     before = run(lambda: sample(a))
     expected = run(lambda: sample(ref))
     assert before[0] != expected[0]  # the two policies differ, so the check below has teeth
+    assert run(lambda: sample(a))[3] == len(PROMPT) - 1  # the prompt's KV of the old weights is cached
 
     async def main():
         pusher = WeightPusher([a, b], timeout_s=60)
@@ -89,7 +91,7 @@ def test_broadcast_weights_sample_what_the_same_weights_from_disk_sample(engines
     for got in (got_a, got_b):
         assert got[0] == expected[0]
         assert got[1] == pytest.approx(expected[1], abs=1e-5)
-        assert got[2] == "7"
+        assert got[2] == "7" and got[3] == 0  # the broadcast emptied the cache: nothing of the old weights served
 
     async def back_from_disk():  # the disk path still works once the group is gone
         async with HttpEngine(a, control_urls=[a, b]) as c:

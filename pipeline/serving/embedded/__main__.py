@@ -11,6 +11,14 @@ import pipeline.serving.embedded as package
 from pipeline.core.logs import configure
 from pipeline.core.runtime import run_main
 from pipeline.serving.embedded.server import serve
+from pipeline.serving.launch import DEFAULT_PREFIX_CACHE_MB
+
+
+def _mebibytes(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: the prefix cache's size in MiB must be >= 0 (0 turns it off)")
+    return n
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +39,12 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         help="torch threads (0 = half the cores: oversubscribed OpenMP threads are much slower)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=_mebibytes,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="MiB of KV the prefix cache may hold (0 = off): prompts reuse the KV of the longest prefix computed before",
     )
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)

@@ -1,15 +1,21 @@
 """The embedded engine's continuous batcher: a decode thread, one left-padded KV cache for all running requests.
 
 Between two decode steps the thread applies the commands the server sent (:class:`Add`, :class:`Abort`,
-:class:`Pause`, :class:`Continue`, :class:`UpdateWeights`, :class:`Stop`), admits waiting requests (each
-prefilled on its own, then left-padded into the running batch's cache) and decodes one token for every running
-request in one batched forward. The attention mask covers the padding and position ids are explicit, so a row's
-numbers do not depend on its neighbours beyond float rounding.
+:class:`Pause`, :class:`Continue`, :class:`UpdateWeights`, :class:`Flush`, :class:`Stop`), admits waiting requests
+(each prefilled on its own, then left-padded into the running batch's cache) and decodes one token for every
+running request in one batched forward. The attention mask covers the padding and position ids are explicit, so a
+row's numbers do not depend on its neighbours beyond float rounding.
 
-A weight update applies between two steps: running requests' caches are recomputed with the new weights, so
-every output token is sampled from exactly one version's distribution given the full context, and each request
-records where its tokens' version changed; its finished answer reports them as SGLang does, in
-``meta_info["weight_versions"]`` (format in :mod:`pipeline.serving.sglang_api`).
+A request's prefill computes only what follows the longest prefix of its prompt in the prefix cache
+(:mod:`~pipeline.serving.embedded.prefix_cache`); its prompt's KV goes into the cache after the prefill, and its
+prompt and output's (sliced out of the batch cache) when it finishes, where the next call of the same rollout finds
+it. Its answer reports the reused tokens as SGLang does, in ``meta_info["cached_tokens"]``.
+
+A weight update applies between two steps: the prefix cache is emptied first (KV of the old weights must never
+serve the new ones), running requests' caches are recomputed with the new weights, so every output token is sampled
+from exactly one version's distribution given the full context, and each request records where its tokens' version
+changed; its finished answer reports them as SGLang does, in ``meta_info["weight_versions"]`` (format in
+:mod:`pipeline.serving.sglang_api`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from pipeline.core.logs import get_logger
+from pipeline.serving.embedded.prefix_cache import PrefixCache
 from pipeline.serving.embedded.runner import KV, ModelRunner
 from pipeline.serving.sglang_api import write_weight_versions
 
@@ -53,6 +60,7 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     spans: list[tuple[int, str]] = field(default_factory=list)  # (first index in out_ids, weight version)
     n_cached: int = 0  # tokens of this sequence in the KV cache; out_model[-1] is the pending one
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     finish: dict[str, Any] | None = None
     t0: float = field(default_factory=time.monotonic)
 
@@ -66,7 +74,7 @@ class Req:
             "finish_reason": self.finish,
             "prompt_tokens": len(self.prompt),
             "completion_tokens": len(self.out_ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
             "weight_version": version,
             "e2e_latency": time.monotonic() - self.t0,
         }
@@ -110,11 +118,16 @@ class UpdateWeights:
 
 
 @dataclass(frozen=True)
+class Flush:
+    done: Callable[[int], None]  # called on the decode thread with the number of cached tokens dropped
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
-Command = Add | Abort | Pause | Continue | UpdateWeights | Stop
+Command = Add | Abort | Pause | Continue | UpdateWeights | Flush | Stop
 
 
 # ------------------------------------------------------------------------------------------- the batcher
@@ -124,7 +137,7 @@ class Batcher:
     The event loop only calls :meth:`submit` and :meth:`info`; everything else runs on :attr:`thread`.
     """
 
-    def __init__(self, runner: ModelRunner, *, version: str, max_running: int) -> None:
+    def __init__(self, runner: ModelRunner, *, version: str, max_running: int, prefix_cache_bytes: int = 0) -> None:
         self.runner = runner
         self.version = version
         self.max_running = max_running
@@ -134,10 +147,13 @@ class Batcher:
         self.joining: list[Req] = []  # taken from waiting, being prefilled
         self.cache: Any = None  # the batch's DynamicCache, rebuilt only when rows join or leave
         self.mask = self._no_mask()
+        self.prefix = PrefixCache(prefix_cache_bytes)
         self.paused = False
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="decode", daemon=True)
-        self.stats = {"decode_steps": 0, "decoded_tokens": 0, "prefills": 0, "max_batch": 0, "requests": 0}
+        # prefill_tokens: computed; cached_tokens: reused from the prefix cache; cache_hits: prefills that reused some
+        self.stats = {"decode_steps": 0, "decoded_tokens": 0, "prefills": 0, "max_batch": 0, "requests": 0,
+                      "prefill_tokens": 0, "cached_tokens": 0, "cache_hits": 0}
         self.batch_hist: dict[int, int] = {}
         self.error: str = ""
 
@@ -156,6 +172,7 @@ class Batcher:
             "mean_batch": self.stats["decoded_tokens"] / steps if steps else 0.0,
             # dict() copies in one C call, so the decode thread cannot resize it mid-iteration
             "batch_size_histogram": {str(k): v for k, v in sorted(dict(self.batch_hist).items())},
+            "prefix_cache": {**self.prefix.info(), "kv_bytes_per_token": self.runner.kv_bytes_per_token},
             "weight_version": self.version,
             "decode_thread_alive": self.thread.is_alive(),
             "last_error": self.error,
@@ -215,6 +232,8 @@ class Batcher:
                 self.paused = False
             case UpdateWeights():
                 self._update_weights(cmd)
+            case Flush(done):
+                done(self.prefix.flush())
             case Stop():
                 self.stopped = True
                 self._abort(None, "engine shutting down")
@@ -228,6 +247,7 @@ class Batcher:
     def _update_weights(self, cmd: UpdateWeights) -> None:
         try:
             self._drop_finished()
+            self.prefix.flush()  # before the weights change: a failed update leaves them neither version's
             self.runner.apply_weights(cmd.tensors)
             self.version = cmd.version
             if self.rows:
@@ -252,7 +272,7 @@ class Batcher:
                 self._finish(r, {"type": "length", "length": 0})
                 continue
             self.joining.append(r)
-            logits, kv = self.runner.prefill(r.prompt)
+            logits, kv, r.cached_tokens = self._prefill(r.prompt)
             self.stats["prefills"] += 1
             r.n_cached = len(r.prompt)
             self._sample([r], logits[None])
@@ -263,6 +283,23 @@ class Batcher:
                 [(r, self.kv, i) for i, r in enumerate(self.rows)] + [(r, kv, 0) for r, kv in joining]
             )
         self.joining = []
+
+    def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, KV, int]:
+        """Logits after ``ids``, their KV, and how many leading tokens were reused from the prefix cache.
+
+        Only what follows the longest cached prefix is computed, at least the last token (its logits sample the
+        first output token); the whole sequence's KV then goes into the cache."""
+        hit = self.prefix.match(ids[:-1])
+        self.prefix.hold(hit)
+        try:
+            logits, kv = self.runner.prefill(ids[hit.length :], self.prefix.kv(hit))
+            self.prefix.insert(ids, kv)
+        finally:
+            self.prefix.release(hit)
+        self.stats["prefill_tokens"] += len(ids) - hit.length
+        self.stats["cached_tokens"] += hit.length
+        self.stats["cache_hits"] += hit.length > 0
+        return logits, kv, hit.length
 
     def _set_batch(self, members: list[tuple[Req, KV, int]]) -> None:
         """Rebuild the batch from (request, kv source, row in that source); left-pad to the longest sequence."""
@@ -292,7 +329,7 @@ class Batcher:
         """After a weight update: each running sequence's cache anew (its pending token excluded)."""
         members = []
         for r in self.rows:
-            _, kv = self.runner.prefill(r.prompt + r.out_model[:-1])
+            _, kv, _ = self._prefill(r.prompt + r.out_model[:-1])
             members.append((r, kv, 0))
         self._set_batch(members)
 
@@ -301,8 +338,18 @@ class Batcher:
         return [] if self.cache is None else self.runner.cache_kv(self.cache)
 
     def _drop_finished(self) -> None:
-        if any(r.finish is not None for r in self.rows):
-            self._set_batch([(r, self.kv, i) for i, r in enumerate(self.rows) if r.finish is None])
+        """Rebuild the batch without its finished rows; their KV goes into the prefix cache first."""
+        if not any(r.finish is not None for r in self.rows):
+            return
+        kv = self.kv
+        width = kv[0][0].shape[2]
+        for i, r in enumerate(self.rows):
+            if r.finish is not None:
+                # the next call of its rollout starts with this prompt and output; the pending last token has no KV
+                start = width - r.n_cached
+                self.prefix.insert(r.prompt + r.out_model[:-1],
+                                   [(k[i : i + 1, :, start:], v[i : i + 1, :, start:]) for k, v in kv])
+        self._set_batch([(r, kv, i) for i, r in enumerate(self.rows) if r.finish is None])
 
     def _step(self) -> None:
         b = len(self.rows)

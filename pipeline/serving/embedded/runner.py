@@ -68,6 +68,14 @@ class ModelRunner:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes in the cache (all layers)."""
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return 2 * c.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+
     def to_model(self, ids: list[int]) -> list[int]:
         """Qwen ids -> the model's rows (ids outside a reduced table map to its UNK row)."""
         return ids if self.vocab is None else self.vocab.to_compact(ids).tolist()
@@ -86,9 +94,14 @@ class ModelRunner:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int]) -> tuple[torch.Tensor, KV]:
-        """Logits after the last token (float32, [V]) and the sequence's KV per layer ([1, H, L, D])."""
-        cache = self.new_cache()
+    def prefill(self, ids: list[int], past: KV | None = None) -> tuple[torch.Tensor, KV]:
+        """Logits after the last token (float32, [V]) and the sequence's KV per layer ([1, H, L, D]).
+
+        ``past``: the KV of tokens before ``ids`` (a cached prefix); the result covers them and ``ids``. The model
+        numbers ``ids`` from the cache's length on, so their positions (and rotary phases) are the ones a prefill
+        of the whole sequence gives them; the cache copies ``past`` and appends by ``torch.cat``, so ``past`` is
+        never written."""
+        cache = self.new_cache(past)
         out = self.model(
             input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
             use_cache=True,

@@ -4,13 +4,13 @@ Endpoints, in the shapes of SGLang's native API: ``POST /generate`` (``input_ids
 cumulative ``data:`` streaming), ``/abort_request``, ``/update_weights_from_disk``, ``/pause_generation``,
 ``/continue_generation``; weight sync without the disk over a gloo process group (:mod:`pipeline.serving.weight_sync`):
 ``/init_weights_update_group``, ``/update_weights_from_distributed`` (inside ``/begin_weight_update`` ...
-``/end_weight_update``, as SGLang 0.5.23 requires), ``/destroy_weights_update_group``; ``GET /health``, ``/health_generate``, ``/model_info``, ``/server_info`` (batch
-occupancy statistics). A bad request gets a 400 whose message names the field and what to send instead.
+``/end_weight_update``, as SGLang 0.5.23 requires), ``/destroy_weights_update_group``; ``/flush_cache`` (empties the
+prefix cache); ``GET /health``, ``/health_generate``, ``/model_info``, ``/server_info`` (batch occupancy and prefix
+cache statistics). A bad request gets a 400 whose message names the field and what to send instead.
 
 Behind ``sglang-router`` (:mod:`pipeline.serving.router`) the engine also answers what the router asks of a
 worker: ``/health``, ``/server_info`` and ``/model_info`` when it registers the worker (and ``/get_model_info``,
-``/get_server_info`` forwarded from clients), ``/flush_cache`` (forwarded to every worker; the engine keeps no
-prefix cache, so there is nothing to flush).
+``/get_server_info`` forwarded from clients), ``/flush_cache`` (forwarded to every worker).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pipeline.serving.embedded.batcher import (
     Add,
     Batcher,
     Continue,
+    Flush,
     Pause,
     Req,
     Stop,
@@ -468,7 +469,21 @@ class EngineServer:
         )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        return web.Response(text="Cache flushed.\n")  # as SGLang answers; there is no prefix cache to flush
+        """Empty the prefix cache, answered as SGLang 0.5.23 answers: 200 and "Cache flushed." or 400 and why not.
+
+        SGLang refuses while requests run (its radix tree holds their KV) unless ``?timeout=`` lets it wait for
+        idle; here running requests keep their KV in the batch, not in the cache, so the flush applies at once
+        (between two decode steps) and ``timeout`` is accepted and has nothing to wait for. Requests that finish
+        afterwards put their KV in again, as in SGLang."""
+        if not self.batcher.thread.is_alive():
+            return web.Response(status=400, text="Flush cache failed: the decode thread is not running; restart "
+                                                 "the engine.\n")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
+        self.batcher.submit(Flush(lambda n: loop.call_soon_threadsafe(done.set_result, n)))
+        dropped = await done
+        log.info("prefix cache flushed", tokens=dropped)
+        return web.Response(text=f"Cache flushed.\n{dropped} cached prefix tokens dropped.\n")
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -497,7 +512,8 @@ async def serve(args: argparse.Namespace) -> None:
     """Load the model, start the decode thread and the HTTP server; serve until SIGTERM/SIGINT or orphaned."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     runner = await asyncio.to_thread(ModelRunner, Path(args.model), dtype, args.context_length, args.device)
-    batcher = Batcher(runner, version=args.weight_version, max_running=args.max_running_requests)
+    batcher = Batcher(runner, version=args.weight_version, max_running=args.max_running_requests,
+                      prefix_cache_bytes=args.prefix_cache_mb << 20)
     batcher.thread.start()
     server = EngineServer(runner, batcher, args.model)
     logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
@@ -516,6 +532,8 @@ async def serve(args: argparse.Namespace) -> None:
         device=str(runner.device),
         dtype=args.dtype,
         threads=torch.get_num_threads(),
+        prefix_cache_mb=args.prefix_cache_mb,
+        prefix_cache_tokens=(args.prefix_cache_mb << 20) // runner.kv_bytes_per_token,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
