@@ -4,8 +4,9 @@ Inbox: TreeGroup and GroupDropped (demonstration packs for the cold start, train
 EngineReady (the engine workers, for ``weight_sync = "distributed"``). Outputs: ``updates`` (PolicyUpdated: to the
 proxy, which loads the weights into the engine unless they were pushed over the weight update group, and to the
 scheduler), ``metrics``. When to train and what is a step: :mod:`pipeline.training.loop`; the optimizer:
-:mod:`pipeline.training.learner`. ``PolicyUpdated.step`` is the number of RL steps done (0 for the push after the
-cold start).
+:mod:`pipeline.training.learner`; whether a step could learn (its counts, and the warning it logs and sends with its
+metrics when not): :mod:`pipeline.training.health`. ``PolicyUpdated.step`` is the number of RL steps done (0 for
+the push after the cold start).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pipeline.messages import (
 from pipeline.models.small import VOCAB_FILE, load_vocab_table
 from pipeline.serving.engine import EngineError
 from pipeline.serving.weight_sync import WeightPusher
+from pipeline.training.health import assess
 from pipeline.training.learner_config import LearnerConfig
 from pipeline.training.loop import ColdStartReady, LearnerLoop, StepReady, sft_plan
 from pipeline.training.policy import load_policy
@@ -226,12 +228,17 @@ class LearnerActor(Actor[LearnerSettings]):
     async def _rl_step(self, ready: StepReady) -> None:
         for gid, lag in ready.stale:
             self.log.warning("stale group dropped", group=gid, lag=lag)
+        stage = self.config.rl_stage(self.ctx.run)
+        health = assess(ready.step, ready.batch, ready.untrained, stage.train_statuses)
+        warning = health.warning(stage.advantage)
+        if warning is not None:
+            self.log.warning(warning, step=ready.step, cause=health.cause)
+        warnings = [warning] if warning is not None else []
         if not ready.batch:
-            self.log.warning("no trainable group in this step; the policy is unchanged", step=ready.step)
             if ready.checkpoint:
                 await self._checkpoint(ready.step)
-            # the step happened: it is in metrics.jsonl, with nothing measured (no reward, no loss)
-            await self._metric(ready.step, {"groups": 0, "stale_groups": len(ready.stale)}, phase="rl")
+            # the step happened: it is in metrics.jsonl with its counts, and nothing trained (no reward, no loss)
+            await self._metric(ready.step, health.values(), phase="rl", warnings=warnings)
             await self.send("updates", PolicyUpdated(version=self.learner.version, step=ready.step,
                                                      batch_hash=packed_hash([])))
             await self._keep_final(ready.step)
@@ -239,10 +246,10 @@ class LearnerActor(Actor[LearnerSettings]):
         rewards = [r.reward for g in ready.batch for r in g.rollouts]
         m = await self.learner.train_step(ready.batch)
         m.update({"reward": float(np.mean(rewards)), "pass_rate": float(np.mean([r >= 1.0 for r in rewards])),
-                  "groups": len(ready.batch)})
+                  **health.values()})
         if ready.checkpoint:
             await self._checkpoint(ready.step)
-        await self._metric(ready.step, m, phase="rl")
+        await self._metric(ready.step, m, phase="rl", warnings=warnings)
         await self._publish(ready.step, m, ready.batch)
         await self._keep_final(ready.step)
 
@@ -350,11 +357,13 @@ class LearnerActor(Actor[LearnerSettings]):
         await self.learner.save_checkpoint(path, {"steps_done": step})
         self.log.info("checkpoint saved", path=str(path))
 
-    async def _metric(self, step: int, values: dict[str, Any], phase: str) -> None:
+    async def _metric(self, step: int, values: dict[str, Any], phase: str,
+                      warnings: list[str] | None = None) -> None:
         if self.out["metrics"].connected:
             v = {k: float(x) for k, x in values.items() if isinstance(x, (int, float))}
             kind = "rl_step" if phase == "rl" else "sft_update"
-            await self.send("metrics", Metric(source=f"{self.name}.{phase}", kind=kind, step=step, values=v))
+            await self.send("metrics", Metric(source=f"{self.name}.{phase}", kind=kind, step=step, values=v,
+                                              warnings=warnings or []))
 
     async def on_config(self, new: LearnerSettings, changes: dict[str, Any]) -> None:
         self.config = new

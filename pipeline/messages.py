@@ -312,6 +312,19 @@ class RolloutSummary(msgspec.Struct, kw_only=True, omit_defaults=True):
     policy_version: int = 0  # oldest version that produced any of its trainable tokens
 
 
+class LeftOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A rollout of a group that is not trained, and why, in bridle's own terms: its status, the harness's exit
+    code and the tree builder's reason. Never ``RolloutFinished.details``, which may end with what the harness
+    printed: the learner quotes these in its warnings (docs/learner.md, "When a step cannot learn")."""
+
+    rollout_id: str
+    status: RolloutStatus
+    # the tree builder's: "status harness_error", "no usable calls", "over_branching (...)", "no trainable tokens
+    # kept"; for a rollout that was usable in a group too small to train: "group dropped"
+    reason: str = ""
+    exit_code: int | None = None
+
+
 class TreeGroup(_Msg, kw_only=True):
     """TreeBuilder -> Learner: one (task, harness) group, ready to train."""
 
@@ -326,6 +339,9 @@ class TreeGroup(_Msg, kw_only=True):
     # The sampling temperature of its rollouts: pi_rollout's logprobs are log_softmax(logits / T), so the learner
     # scores the same distribution (a hot-reloaded [scheduler].temperature reaches the learner with the data).
     temperature: float = 1.0
+    # The group's rollouts that are not in ``rollouts`` (a failed status, an unusable tree), so the learner can
+    # count every rollout of a step by status. Empty in logs recorded before it existed.
+    left_out: list[LeftOut] = msgspec.field(default_factory=list)
 
 
 class GroupDropped(_Msg, kw_only=True):
@@ -337,6 +353,11 @@ class GroupDropped(_Msg, kw_only=True):
     valid_rollouts: int = 0
     purpose: Literal["train", "eval", "sft"] = "train"
     packs: int = 0  # purpose "sft": as TreeGroup.packs
+    # Training groups: which task and harness, and every rollout of the group (none is trained) with its status.
+    # Empty in logs recorded before they existed.
+    task_id: str = ""
+    harness: str = ""
+    left_out: list[LeftOut] = msgspec.field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------- learner
@@ -368,7 +389,8 @@ class ConfigChanged(_Msg, kw_only=True):
 
 # What a Metric measured; readers (the monitor, plots, benchmarks) dispatch on this, never on actor names.
 MetricKind = Literal[
-    "rl_step",  # learner, one RL update; step = RL steps done: reward, pass_rate, loss, entropy, tokens_per_s, step_s
+    "rl_step",  # learner, one RL update; step = RL steps done: reward, pass_rate, loss, entropy, tokens_per_s, step_s,
+    # and whether it could learn: groups, zero_var_frac, rollouts_<status>, ... (docs/learner.md), warnings
     "sft_update",  # learner, one cold-start SFT update: loss, sft_epoch, sft_updates (planned in all), tokens_per_s
     "demonstration",  # sandbox, one scripted demonstration rollout finished: reward, ok, rollouts_running
     "rollout",  # sandbox, one policy rollout finished (train or eval): reward, ok, rollouts_running
@@ -389,6 +411,9 @@ class Metric(_Msg, kw_only=True):
     step: int = -1
     values: dict[str, float] = msgspec.field(default_factory=dict)
     t: float = 0.0
+    # What a person must know about these numbers, one line each in bridle's own words (never text a sandbox
+    # wrote): e.g. an RL step that could not learn. The sender logs them; the monitor writes and shows them.
+    warnings: list[str] = msgspec.field(default_factory=list)
 
 
 class ActorStopped(_Msg, kw_only=True):

@@ -4,20 +4,24 @@ Numbers mean what they say: a value that was not measured yet reads "-" or "n/a 
 counted from finished items; an ETA comes from measured pace (the mean of the last few intervals between items)
 and counts down between items. The policy version counts optimizer updates, cold-start SFT included (one version
 per SFT update and per RL update), so after a cold start of 160 SFT updates the first RL rollouts sample from v160;
-the display says so instead of leaving "160" next to "learner step 0".
+the display says so instead of leaving "160" next to "learner step 0". An RL step that could not learn says so: the
+learner's warning line under the table, and the KL line says why the policy does not move ("no policy gradient in
+steps 2-5: no reward spread"); "no RL step yet" only before the first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
+from rich.text import Text
 
+from pipeline.messages import RolloutStatus
 from pipeline.monitor.state import MonitorState
 
 Phase = Literal["starting", "demonstrations", "sft", "rl", "done"]
@@ -160,12 +164,60 @@ def _num(d: dict[str, float], key: str, fmt: str, missing: str = "-") -> str:
     return format(d[key], fmt) if key in d else missing
 
 
+def rl_missing(s: MonitorState) -> str:
+    """What a value the last RL step did not report means: no step yet, a step that trained nothing, or (a value
+    an older learner did not write) not measured."""
+    if not s.last_rl:
+        return "n/a (no RL step yet)"
+    if s.last_rl.get("groups") == 0:
+        return f"n/a (nothing trained in step {s.rl_steps_done})"
+    return "n/a (not measured in the last RL step)"
+
+
+def kl_text(s: MonitorState) -> str:
+    """The last RL step's KL to the reference, and why the policy is not moving when it is not."""
+    rl = s.last_rl
+    if not rl:
+        return "n/a (no RL step yet)"
+    if "kl" in rl:
+        return f"{rl['kl']:.4f} per token (k3)" + ("" if s.quiet is None else f"; {s.quiet.text()}")
+    if s.quiet is not None:
+        return f"n/a ({s.quiet.text()})"
+    if rl.get("value_phase"):
+        return "n/a (PPO value warm-up: the policy does not move)"
+    if "loss" in rl:
+        return "n/a (no KL term: [learner.train].kl_coef = 0)"
+    return rl_missing(s)
+
+
+def spread_text(s: MonitorState) -> str:
+    """How many of the last RL step's trained groups had a reward spread (the others add no policy gradient)."""
+    rl = s.last_rl
+    if "zero_var_groups" not in rl or not rl.get("groups"):
+        return rl_missing(s)
+    groups, flat = int(rl["groups"]), int(rl["zero_var_groups"])
+    return f"{groups - flat} / {groups} groups last step" + (f" ({flat} scored alike: no signal)" if flat else "")
+
+
+def statuses_text(s: MonitorState) -> str:
+    """The last RL step's rollouts by status, and how many were left out of the loss."""
+    rl = s.last_rl
+    if "rollouts" not in rl:
+        return rl_missing(s)
+    known = get_args(RolloutStatus)
+    extra = sorted(k[len("rollouts_"):] for k in rl if k.startswith("rollouts_") and k[len("rollouts_"):] not in
+                   (*known, "trained", "left_out"))
+    parts = [f"{int(rl[f'rollouts_{st}'])} {st}" for st in (*known, *extra) if rl.get(f"rollouts_{st}")]
+    left = int(rl.get("rollouts_left_out", 0))
+    return ", ".join(parts) + (f" · {left} left out of the loss" if left else "")
+
+
 def rows(s: MonitorState, now: float) -> list[tuple[str, str]]:
-    """The table under the progress bars, as (label, text)."""
-    no_rl = "n/a (no RL step yet)"
+    """The table under the progress bars, as (label, text); the last RL step's warnings, if any, last."""
+    no_rl = rl_missing(s)
     rl = s.last_rl
     reward = no_rl
-    if s.rl_rewards:
+    if s.rl_rewards and "reward" in rl:
         recent = s.rl_rewards[-ETA_WINDOW:]
         reward = (f"{s.rl_rewards[-1]:.3f} last step · {sum(recent) / len(recent):.3f} mean of the last "
                   f"{len(recent)}")
@@ -187,11 +239,14 @@ def rows(s: MonitorState, now: float) -> list[tuple[str, str]]:
         ("reward", reward),
         ("pass rate", _num(rl, "pass_rate", ".3f", no_rl) + (" last step" if "pass_rate" in rl else "")),
         ("entropy", _num(rl, "entropy", ".3f", no_rl) + (" nats/token" if "entropy" in rl else "")),
-        ("KL to the reference", _num(rl, "kl", ".4f", no_rl) + (" per token (k3)" if "kl" in rl else "")),
+        ("KL to the reference", kl_text(s)),
+        ("reward spread", spread_text(s)),
         ("learner throughput", throughput),
         ("rollouts", f"{running} running · {s.demos_done} demonstrations + {s.rl_rollouts} policy rollouts done"),
+        ("last step's rollouts", statuses_text(s)),
         ("groups in flight", "-" if over else _num(s.scheduler, "groups_in_flight", ".0f")),
         ("weight sync", "-" if s.weight_sync_s is None else f"{s.weight_sync_s:.2f} s (the engine's last load)"),
+        *(("warning", w) for w in s.rl_warnings),
     ]
 
 
@@ -205,7 +260,7 @@ def render(s: MonitorState, now: float) -> RenderableType:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="dim")
     for k, v in rows(s, now):
-        table.add_row(k, v)
+        table.add_row(k, Text(v, style="bold yellow") if k == "warning" else v)
     # a fixed width (rich narrows it on a smaller terminal): a panel fitted to its text would change size as
     # numbers change
     return Panel(Group(bars, "", table), title=f"bridle · {s.run_name} · {PHASE_TEXT[phase(s)]}",

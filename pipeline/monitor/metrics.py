@@ -1,7 +1,8 @@
 """metrics.jsonl: one JSON object per Metric, and the reader every consumer (plots, benchmarks, tests) shares.
 
-A line is ``{"t", "source", "kind", "step", **values}``: ``kind`` (pipeline.messages.MetricKind) says what the
-numbers are and is what readers select on; ``source`` names the actor that sent them, for people.
+A line is ``{"t", "source", "kind", "step", **values}``, with ``"warnings"`` (a list of lines) when the sender gave
+any: ``kind`` (pipeline.messages.MetricKind) says what the numbers are and is what readers select on; ``source``
+names the actor that sent them, for people.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ def record(msg: Metric, now: float) -> dict[str, Any]:
     learner's values carry its optimizer's ``step`` counter (it restarts after SFT and skips RL steps that trained
     nothing): that is ``value_step``, and ``step`` is the Metric's (for rl_step, the RL step).
     """
-    head = {"t": msg.t or now, "source": msg.source, "kind": msg.kind, "step": msg.step}
-    return head | {(f"value_{k}" if k in head else k): v for k, v in msg.values.items()}
+    head: dict[str, Any] = {"t": msg.t or now, "source": msg.source, "kind": msg.kind, "step": msg.step}
+    if msg.warnings:
+        head["warnings"] = list(msg.warnings)
+    own = {*head, "warnings"}
+    return head | {(f"value_{k}" if k in own else k): v for k, v in msg.values.items()}
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:

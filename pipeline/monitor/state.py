@@ -12,6 +12,30 @@ from pipeline.messages import Metric
 
 
 @dataclass
+class Quiet:
+    first: int
+    last: int
+    why: list[str]  # in order of first appearance: "nothing trained", "no reward spread"
+
+    def text(self) -> str:
+        steps = f"step {self.last}" if self.first == self.last else f"steps {self.first}-{self.last}"
+        return f"no policy gradient in {steps}: {', '.join(self.why)}"
+
+
+def quiet_reason(v: dict[str, float]) -> str | None:
+    """Why an RL step's policy gradient was zero, from its values (pipeline.training.health's counts); None when
+    it had one, or when the values do not say (written before the counts existed)."""
+    groups = v.get("groups")
+    if groups is None:
+        return None
+    if not groups:
+        return "nothing trained"
+    if v.get("zero_var_groups") == groups:
+        return "no reward spread"
+    return None
+
+
+@dataclass
 class MonitorState:
     run_name: str
     t0: float  # when the monitor started (the graph's start, within milliseconds)
@@ -32,6 +56,11 @@ class MonitorState:
     rollouts_running: int | None = None
     engine_version: int | None = None  # the version the engine serves (after its last weight load)
     weight_sync_s: float | None = None
+    rl_warnings: list[str] = field(default_factory=list)  # the last RL step's (the learner's words)
+    # The latest RL steps in a row without a policy gradient (nothing trained, or no group with a reward spread):
+    # the first and last of them and why, for the display's "no policy gradient in steps 2-5" (None: the last step
+    # had one).
+    quiet: Quiet | None = None
 
     @property
     def demos_done(self) -> int:
@@ -65,6 +94,16 @@ def absorb(s: MonitorState, msg: Metric, now: float) -> None:
             s.last_rl = dict(v)
             if "reward" in v:
                 s.rl_rewards.append(v["reward"])
+            s.rl_warnings = list(msg.warnings)
+            why = quiet_reason(v)
+            if why is None:
+                s.quiet = None
+            elif s.quiet is None or msg.step != s.quiet.last + 1:
+                s.quiet = Quiet(msg.step, msg.step, [why])
+            else:
+                s.quiet.last = msg.step
+                if why not in s.quiet.why:
+                    s.quiet.why.append(why)
         case "sft_update":
             s.sft_times.append(t)
             s.last_sft = dict(v)

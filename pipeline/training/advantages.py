@@ -26,6 +26,13 @@ def rollout_valid(
     return np.array([r.status in allowed for r in rollouts], dtype=bool)
 
 
+def reward_spread(rewards: np.ndarray, valid: np.ndarray) -> bool:
+    """Whether the valid rollouts' rewards differ. A group without a spread (fewer than two valid rollouts, or all
+    scoring alike) has every GRPO advantage 0: it adds nothing to the policy gradient."""
+    r = np.asarray(rewards, dtype=np.float64)[np.asarray(valid, dtype=bool)]
+    return r.size >= 2 and bool(np.ptp(r) > 0)
+
+
 def grpo_advantages(
     rewards: np.ndarray, valid: np.ndarray, eps: float = 1e-6, scale_by_std: bool = True
 ) -> np.ndarray:
@@ -37,11 +44,9 @@ def grpo_advantages(
     rewards = np.asarray(rewards, dtype=np.float64)
     valid = np.asarray(valid, dtype=bool)
     out = np.zeros(rewards.shape, dtype=np.float64)
-    if valid.sum() < 2:
+    if not reward_spread(rewards, valid):  # exactly 0, whatever rounding the mean of equal rewards has
         return out
     r = rewards[valid]
-    if np.ptp(r) == 0:  # equal rewards carry no signal; exactly 0, whatever rounding the mean has
-        return out
     centered = r - r.mean()
     out[valid] = centered / (r.std(ddof=1) + eps) if scale_by_std else centered
     return out

@@ -63,6 +63,9 @@ class StepReady:
     checkpoint: bool
     last: bool
     stale: list[tuple[str, int]] = field(default_factory=list)  # (group id, lag) of groups left out as too old
+    # every other group the step counted, in arrival order: dropped by the tree builder, or too stale (the
+    # rollouts of a step are reported whether they were trained or not: pipeline.training.health)
+    untrained: list[TreeGroup | GroupDropped] = field(default_factory=list)
 
 
 @dataclass
@@ -77,6 +80,7 @@ class LearnerLoop:
     _packs_seen: int = 0
     _batch: list[TreeGroup] = field(default_factory=list)
     _stale: list[tuple[str, int]] = field(default_factory=list)
+    _untrained: list[TreeGroup | GroupDropped] = field(default_factory=list)
 
     @classmethod
     def resumed(cls, steps: int, groups_per_step: int, checkpoint_every: int, steps_done: int) -> LearnerLoop:
@@ -99,16 +103,19 @@ class LearnerLoop:
             lag = version - msg.issued_version  # versions advance by one per RL step once training runs
             if lag > max_staleness:
                 self._stale.append((msg.group_id, lag))
+                self._untrained.append(msg)
             else:
                 self._batch.append(msg)
+        else:
+            self._untrained.append(msg)
         if self.received % self.groups_per_step:
             return None
         self.steps_done += 1
         every = self.checkpoint_every
         last = self.steps_done >= self.steps
         ready = StepReady(step=self.steps_done, batch=self._batch, stale=self._stale, last=last,
-                          checkpoint=last or bool(every and self.steps_done % every == 0))
-        self._batch, self._stale = [], []
+                          checkpoint=last or bool(every and self.steps_done % every == 0), untrained=self._untrained)
+        self._batch, self._stale, self._untrained = [], [], []
         return ready
 
     def _demonstration(self, msg: TreeGroup | GroupDropped) -> ColdStartReady | None:

@@ -31,6 +31,7 @@ from pipeline.messages import (
     F32_DTYPE,
     I32_DTYPE,
     GroupDropped,
+    LeftOut,
     PackedTree,
     RolloutSummary,
     SettledRollout,
@@ -238,6 +239,9 @@ def build_group(rollouts: Sequence[SettledRollout], options: TreeOptions | None 
             reason=f"{len(valid)} valid rollouts of {max(expected, len(ordered))}, need {MIN_VALID_ROLLOUTS}"
             + (f" ({why})" if why else ""),
             valid_rollouts=len(valid),
+            task_id=first.task_id,
+            harness=first.harness,
+            left_out=[_left_out(t) for t in trees],
         )
     else:
         message = TreeGroup(
@@ -247,8 +251,17 @@ def build_group(rollouts: Sequence[SettledRollout], options: TreeOptions | None 
             rollouts=[t.summary() for t in valid],
             packed=pack_trees(valid),
             issued_version=min(r.request.policy_version for r in ordered),
+            left_out=[_left_out(t) for t in trees if not t.valid],
         )
     return GroupBuild(message=message, trees=trees, summaries=summaries, discarded=discarded)
+
+
+def _left_out(t: RolloutTree) -> LeftOut:
+    """Why ``t`` is not trained, from what bridle decided (status, exit code, the filter's reason); the sandbox's
+    ``details`` stay out, as they may quote the harness."""
+    fin = t.settled.finished
+    return LeftOut(rollout_id=t.rollout_id, status=fin.status, reason=t.invalid or "group dropped",
+                   exit_code=fin.exit_code)
 
 
 def assemble_group(

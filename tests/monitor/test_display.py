@@ -180,6 +180,60 @@ def test_rows_after_rl_steps():
     assert r["elapsed"] == "1:10"
 
 
+def health(step, groups, flat=0, ok=0, failed=0, **more):
+    """An RL step's values as the learner sends them (pipeline.training.health's counts)."""
+    v = {"groups": groups, "groups_dropped": 0, "stale_groups": 0, "rollouts": ok + failed, "rollouts_ok": ok,
+         "rollouts_timeout": 0, "rollouts_sandbox_error": 0, "rollouts_harness_error": failed,
+         "rollouts_verifier_error": 0, "rollouts_trained": ok, "rollouts_left_out": failed, **more}
+    if groups:
+        v.update(zero_var_groups=flat, zero_var_frac=flat / groups, reward=0.0, pass_rate=0.0, entropy=0.5, loss=0.0)
+    return v
+
+
+def test_steps_that_could_not_learn_say_why():
+    s = state(demonstrations_total=0, steps_total=10)
+    failed = "step 1: no successful rollout: 4 harness_error; left out: 4x harness_error, exit code 1 (first: ...)"
+    absorb(s, Metric(source="lrn.rl", kind="rl_step", step=1, values=health(1, 0, failed=4), warnings=[failed]),
+           T0 + 10)
+    r = dict(rows(s, T0 + 11))
+    assert r["KL to the reference"] == "n/a (no policy gradient in step 1: nothing trained)"  # not "no RL step yet"
+    assert r["entropy"] == r["pass rate"] == r["reward"] == r["reward spread"] == "n/a (nothing trained in step 1)"
+    assert r["last step's rollouts"] == "4 harness_error · 4 left out of the loss"
+    assert r["warning"] == failed
+    flat = "step 2: no reward spread in 2/2 groups (all rewards 0.0): the policy gradient is zero; rollouts: 8 ok"
+    absorb(s, Metric(source="lrn.rl", kind="rl_step", step=2, values=health(2, 2, flat=2, ok=8), warnings=[flat]),
+           T0 + 20)  # kl_coef = 0: no KL measured
+    r = dict(rows(s, T0 + 21))
+    assert r["KL to the reference"] == "n/a (no policy gradient in steps 1-2: nothing trained, no reward spread)"
+    assert r["reward spread"] == "0 / 2 groups last step (2 scored alike: no signal)"
+    assert r["last step's rollouts"] == "8 ok" and r["warning"] == flat and r["reward"].startswith("0.000 last")
+    absorb(s, Metric(source="lrn.rl", kind="rl_step", step=3, values=health(3, 2, flat=2, ok=8, kl=0.0)), T0 + 30)
+    assert dict(rows(s, T0 + 31))["KL to the reference"] == (
+        "0.0000 per token (k3); no policy gradient in steps 1-3: nothing trained, no reward spread")
+    absorb(s, Metric(source="lrn.rl", kind="rl_step", step=4, values=health(4, 2, flat=1, ok=8, kl=0.01)), T0 + 40)
+    r = dict(rows(s, T0 + 41))
+    assert r["KL to the reference"] == "0.0100 per token (k3)" and "warning" not in r  # learning again
+    assert r["reward spread"] == "1 / 2 groups last step (1 scored alike: no signal)"
+    absorb(s, Metric(source="lrn.rl", kind="rl_step", step=5, values=health(5, 2, ok=8)), T0 + 50)
+    r = dict(rows(s, T0 + 51))
+    assert r["KL to the reference"] == "n/a (no KL term: [learner.train].kl_coef = 0)"
+    assert r["reward spread"] == "2 / 2 groups last step"
+    absorb(s, Metric(source="lrn.rl", kind="rl_step", step=7, values=health(7, 2, flat=2, ok=8)), T0 + 60)
+    assert dict(rows(s, T0 + 61))["KL to the reference"] == "n/a (no policy gradient in step 7: no reward spread)"
+
+
+def test_the_warning_is_drawn_in_the_panel():
+    s = state(demonstrations_total=0, steps_total=3)
+    w = "step 1: no reward spread in 8/8 groups (all rewards 0.0): the policy gradient is zero; rollouts: 64 ok"
+    absorb(s, Metric(source="lrn.rl", kind="rl_step", step=1, values=health(1, 8, flat=8, ok=64), warnings=[w]),
+           T0 + 5)
+    c = Console(width=120, record=True, color_system=None)
+    c.print(render(s, T0 + 6))
+    text = " ".join(c.export_text().replace("│", " ").split())  # the panel wraps the line in its last column
+    assert f"warning {w}" in text and "no RL step yet" not in text
+    assert "no policy gradient in step 1: no reward spread" in text
+
+
 def test_policy_version_says_what_it_is_made_of():
     s = state(demonstrations_total=4, steps_total=2)
     assert policy_text(s) == "v0: the initial weights (the demonstrations are scripted, not sampled)"
@@ -237,6 +291,11 @@ def test_metrics_jsonl_keeps_the_source_and_gains_the_kind(tmp_path):
     old = [{"t": 1, "source": "learner.rl", "step": 1, "reward": 0.1},  # written before Metric.kind existed
            {"t": 2, "source": "learner.sft", "step": 0, "loss": 2.0},
            {"t": 3, "source": "sandbox", "step": -1, "reward": 1.0}]
+    warned = Metric(source="l", kind="rl_step", step=4, values={"groups": 0.0, "warnings": 1.0},
+                    warnings=["step 4: nothing trained"])
+    assert record(warned, 9.0) == {"t": 9.0, "source": "l", "kind": "rl_step", "step": 4,
+                                   "warnings": ["step 4: nothing trained"], "groups": 0.0, "value_warnings": 1.0}
+    assert "warnings" not in record(m, 5.0)  # only when there are some
     path.write_text("\n".join(json.dumps(x) for x in [*old, record(m, 5.0)]) + "\n{\"cut by a cr")
     rows_ = load_metrics(path)
     assert [r["kind"] for r in rows_] == ["rl_step", "sft_update", "other", "rl_step"]

@@ -30,6 +30,7 @@ def test_steps_count_received_groups_trained_or_dropped():
     assert out[0] is None and out[2] is None
     s1, s2 = out[1], out[3]
     assert isinstance(s1, StepReady) and s1.step == 1 and [g.group_id for g in s1.batch] == ["g0"]
+    assert [g.group_id for g in s1.untrained] == ["g1"] and s2.untrained == []  # counted, for the step's report
     assert not s1.checkpoint and not s1.last  # checkpoint_every = 0: only at the end
     assert s2.step == 2 and [g.group_id for g in s2.batch] == ["g2", "g3"] and s2.checkpoint and s2.last
     assert loop.finished
@@ -46,6 +47,7 @@ def test_stale_groups_are_left_out_and_reported():
     out = feed(loop, [group("old", issued=3), group("ok", issued=5), group("new", issued=6)], version=6)
     s = out[-1]
     assert [g.group_id for g in s.batch] == ["ok", "new"] and s.stale == [("old", 3)]
+    assert [g.group_id for g in s.untrained] == ["old"]
 
 
 def test_checkpoint_cadence_and_a_live_change():
