@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -89,8 +90,6 @@ def test_bad_shape_is_refused(tmp_path):
 
 def test_build_model_spec_full_vocabulary(tmp_path):
     """[experiment.build_model] vocabulary = "full": every Qwen id, no table, the asked context length."""
-    import msgspec
-
     from pipeline.models.quickstart import ModelSpec, ensure_model
 
     spec = msgspec.convert({"path": str(tmp_path / "full"), "vocabulary": "full", "hidden_size": 16, "num_layers": 1,
@@ -122,3 +121,39 @@ def test_mean_reply_tokens_gives_the_untrained_model_an_end_of_turn_prior(tmp_pa
     n = t.size if t else QWEN_VOCAB_SIZE
     assert float(plain.mean()) < 3 / n
     assert 1 / 32 < float(early.mean()) < 1 / 8 and float(early.min()) > 1 / 400
+
+
+BLACKBOX = ["claude-code", "codex", "qwen-code", "openclaw"]
+
+
+@pytest.mark.parametrize("harness", BLACKBOX)
+def test_blackbox_vocabulary_covers_every_oracle_answer_and_instruction(harness, tmp_path):
+    """A reduced table for a black-box harness holds every id of the oracle's answers as that harness's tool calls
+    (what the scripted engine plays, so what the model must write) and of the task instructions; nothing else of
+    the harness's prompt is needed, so the table stays a few hundred rows."""
+    from pipeline.models.quickstart import ModelSpec, vocabulary
+    from pipeline.rollout.scheduling import oracle_script
+    from pipeline.rollout.taskgen import generate
+    from pipeline.rollout.tasks import materialize
+    from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse
+    from pipeline.tokens.render import qwen3_renderer
+
+    table = vocabulary(ModelSpec(harness=harness, families="create_word", tasks=50))
+    assert 100 < table.size < 400
+    renderer = qwen3_renderer(enable_thinking=False)
+    engine = ScriptedEngine(renderer, Script())
+    for seed in (0, 17, 49):  # inside the spec's 50 tasks
+        task = materialize(generate("create_word", seed), tmp_path / f"t{seed}")
+        answers = [engine.output_ids(msgspec.convert(r, ScriptResponse)) for r in oracle_script(task, harness)]
+        need = {i for a in answers for i in a} | set(renderer.tokenizer.encode(task.instruction))
+        assert not need - set(table.ids), (harness, seed)
+
+
+def test_one_blackbox_vocabulary_serves_several_harnesses():
+    from pipeline.models.quickstart import ModelSpec, vocabulary
+
+    spec = {"families": "create_word", "tasks": 20}
+    each = [set(vocabulary(ModelSpec(harness=h, **spec)).ids) for h in BLACKBOX]
+    both = vocabulary(ModelSpec(harness=BLACKBOX, **spec))
+    assert set(both.ids) == set.union(*each)
+    assert both.unk_id == ENDOFTEXT

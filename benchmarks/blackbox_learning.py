@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Does a policy learn through a real black-box harness? `configs/blackbox.toml` per harness and seed, then a
+held-out evaluation of its SFT and RL policies through the same harness, paired.
+
+    python benchmarks/blackbox_learning.py --harness codex [--seed 0 1] [--out DIR] [--set k=v ...]
+    python benchmarks/blackbox_learning.py --harness claude-code codex qwen-code openclaw --seed 0 1 --out DIR
+    python benchmarks/blackbox_learning.py --from DIR          # re-print the table of an earlier invocation
+
+Per (harness, seed): one training run (`run.py --experiment blackbox`: demonstrations played through the harness,
+SFT on them, then GRPO through it; every policy folder kept), then `run.py --eval` of the cold start's policy (SFT)
+and of the final policy (RL) on `[eval]`'s held-out tasks through the same harness, and the paired difference over
+the (task, harness) pairs both measured, as `run.py --compare` computes it. The row also says what the run did:
+the mean reward of the first and last 5 RL steps, wall minutes, the RL rollouts' trainable tokens against the
+tokens they sampled, and their statuses.
+
+Goal (issue "learns through each real harness"): the paired RL - SFT pass@1 interval lies above 0 for every row.
+Exits 1 when a row misses it (or a run fails). Harnesses and seeds run one after another: each run uses the whole
+machine. Run folders: DIR/<harness>-seed<N>/{train,eval-sft,eval-rl}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.cli.evaluate import latest_weights, load_report
+from pipeline.core.eventlog import EventLogReader
+from pipeline.core.logs import configure
+from pipeline.eval.estimators import Estimate, paired_difference, pass_at_k
+from pipeline.messages import PolicyUpdated
+from pipeline.monitor.metrics import load_metrics, of_kind
+
+ROOT = Path(__file__).resolve().parent.parent
+
+EXPERIMENT = "blackbox"
+
+
+@dataclass
+class Row:
+    harness: str
+    seed: int
+    sft: Estimate | None = None
+    rl: Estimate | None = None
+    diff: Estimate | None = None
+    first5: float | None = None
+    last5: float | None = None
+    steps: int = 0
+    wall_min: float | None = None
+    trainable: int = 0
+    sampled: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    error: str = ""
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    """``cmd`` from the repository root, its output to ``log``; raises with the log's end when it fails."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False)
+    if r.returncode:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}; log {log}:\n{tail}")
+
+
+def _harness_sets(harness: str) -> list[str]:
+    return [f'scheduler.harness="{harness}"', f'eval.harnesses=["{harness}"]']
+
+
+def _cmd(*args: str, sets: list[str]) -> list[str]:
+    cmd = [sys.executable, "run.py", "--experiment", EXPERIMENT, "--no-watch", "--set", 'monitor.display="off"',
+           *args]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def train(run_dir: Path, harness: str, seed: int, sets: list[str]) -> float:
+    """The training run; returns its wall seconds. Every policy folder is kept (the SFT one is evaluated)."""
+    seeds = [f"{k}.seed={seed}" for k in ("experiment", "scheduler", "learner.train", "learner.sft")]
+    t0 = time.monotonic()
+    _run(_cmd("--run-dir", str(run_dir), sets=[*_harness_sets(harness), *seeds, "learner.keep_weights=1000", *sets]),
+         run_dir.with_name(run_dir.name + ".log"))
+    return time.monotonic() - t0
+
+
+def sft_policy(run_dir: Path) -> Path:
+    """The cold start's policy: the weights of the run's step-0 update (the SFT weights)."""
+    for ev in EventLogReader(run_dir / "events.msgpack"):
+        if isinstance(ev.msg, PolicyUpdated) and ev.msg.step == 0 and ev.msg.weights_path:
+            path = Path(ev.msg.weights_path)
+            return path if path.is_absolute() else ROOT / path
+    raise RuntimeError(f"{run_dir}: no policy update with a weights folder in its event log (did the cold start run?)")
+
+
+def evaluate(eval_dir: Path, harness: str, policy: Path, sets: list[str]) -> None:
+    _run(_cmd("--eval", "--model", str(policy), "--run-dir", str(eval_dir), sets=[*_harness_sets(harness), *sets]),
+         eval_dir.with_name(eval_dir.name + ".log"))
+
+
+def pass1(eval_dir: Path) -> tuple[Estimate, dict[str, float]]:
+    rep = load_report(eval_dir)
+    pairs = {f"{p.task_id}|{p.harness}": pass_at_k(p.n, p.successes, 1) for p in rep.pairs if p.n >= 1}
+    return rep.row("overall", "all").pass_at[1], pairs
+
+
+def training_facts(run_dir: Path, row: Row) -> None:
+    """Rewards of the RL steps (metrics.jsonl), the RL rollouts' statuses and tokens (the event log's trees)."""
+    from pipeline.cli.tree_report import rollouts_of
+    from pipeline.trees.tree import TreeOptions, build_tree
+
+    rewards = [m["reward"] for m in of_kind(load_metrics(run_dir / "metrics.jsonl"), "rl_step") if "reward" in m]
+    row.steps = len(rewards)
+    if rewards:
+        head, tail = rewards[:5], rewards[-5:]
+        row.first5, row.last5 = sum(head) / len(head), sum(tail) / len(tail)
+    for s, _ in rollouts_of(run_dir / "events.msgpack"):
+        if s.request.purpose != "train":
+            continue
+        row.statuses[s.finished.status] += 1
+        st = build_tree(s, TreeOptions()).stats
+        row.trainable += st.tokens_trainable
+        row.sampled += st.tokens_output
+
+
+def measure(base: Path, harness: str, seed: int, sets: list[str], run: bool) -> Row:
+    row = Row(harness=harness, seed=seed)
+    where = base / f"{harness}-seed{seed}"
+    run_dir, eval_sft, eval_rl = where / "train", where / "eval-sft", where / "eval-rl"
+    try:
+        if run:
+            row.wall_min = train(run_dir, harness, seed, sets) / 60
+            policies = [(eval_sft, sft_policy(run_dir)), (eval_rl, latest_weights(run_dir))]
+            # side by side: each is mostly waiting on its sandboxes
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                list(pool.map(lambda job: evaluate(job[0], harness, job[1], sets), policies))
+            (where / "wall_min.json").write_text(json.dumps(row.wall_min))
+        elif (where / "wall_min.json").is_file():
+            row.wall_min = json.loads((where / "wall_min.json").read_text())
+        training_facts(run_dir, row)
+        row.sft, sft_pairs = pass1(eval_sft)
+        row.rl, rl_pairs = pass1(eval_rl)
+        row.diff = paired_difference(rl_pairs, sft_pairs)
+    except (RuntimeError, OSError, ValueError) as e:
+        row.error = str(e)
+    return row
+
+
+def _est(e: Estimate | None) -> str:
+    return "n/a" if e is None else e.text()
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def table(rows: list[Row]) -> str:
+    head = ("| harness | seed | SFT pass@1 [95 %] | RL pass@1 [95 %] | RL - SFT, paired [95 %] | reward first 5 | "
+            "reward last 5 | RL steps | wall min | trainable / sampled tokens | RL rollouts by status |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in rows:
+        if r.error and r.diff is None:
+            lines.append(f"| {r.harness} | {r.seed} | failed: {r.error.splitlines()[0][:200]} |")
+            continue
+        diff = "n/a" if r.diff is None else f"{r.diff.text()} (n={r.diff.n})"
+        share = f"{r.trainable:,} / {r.sampled:,}" + (f" ({100 * r.trainable / r.sampled:.0f} %)" if r.sampled else "")
+        statuses = ", ".join(f"{k} {v}" for k, v in sorted(r.statuses.items())) or "none"
+        lines.append(f"| {r.harness} | {r.seed} | {_est(r.sft)} | {_est(r.rl)} | {diff} | {_num(r.first5, '.3f')} | "
+                     f"{_num(r.last5, '.3f')} | {r.steps} | {_num(r.wall_min, '.0f')} | {share} | {statuses} |")
+    return "\n".join(lines)
+
+
+def learned(r: Row) -> bool:
+    return r.diff is not None and r.diff.low is not None and r.diff.low > 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--harness", nargs="+", default=["codex"],
+                    help="black-box harnesses: claude-code, codex, qwen-code, openclaw")
+    ap.add_argument("--seed", type=int, nargs="+", default=[0])
+    ap.add_argument("--out", type=Path, help="where the runs go (default: a new temporary folder)")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="a config override for the training run and both evaluations (run.py --set)")
+    ap.add_argument("--from", dest="from_dir", type=Path,
+                    help="print the table from the runs of an earlier invocation; run nothing")
+    args = ap.parse_args()
+    configure(level="warning")  # the tree rebuild's per-rollout debug lines would bury the table
+    base = args.from_dir or args.out or Path(tempfile.mkdtemp(prefix="bridle-blackbox-"))
+    print(f"run folders: {base}", flush=True)
+    if args.from_dir:
+        found = sorted(p.name.rpartition("-seed") for p in base.iterdir() if (p / "train").is_dir())
+        todo = [(h, int(s)) for h, _, s in found]
+    else:
+        todo = [(h, s) for h in args.harness for s in args.seed]
+    rows = []
+    for harness, seed in todo:
+        print(f"{harness}, seed {seed} ...", flush=True)
+        rows.append(measure(base, harness, seed, args.sets, run=args.from_dir is None))
+        if rows[-1].error:
+            print(rows[-1].error, file=sys.stderr, flush=True)
+    print(table(rows))
+    ok = bool(rows) and all(learned(r) for r in rows)
+    print(f"goal: the paired RL - SFT pass@1 interval lies above 0 in every row: {'YES' if ok else 'NO'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
