@@ -20,7 +20,9 @@ def test_quickstart_with_two_engines_behind_the_router(tmp_path):
     run_dir = tmp_path / "run"
     sets = [f'run.model="{tmp_path / "model"}"', "experiment.build_model.tasks=60", "scheduler.sft_groups=8",
             "tree.sft_pack=8", "learner.sft_epochs=1", "run.steps=2", "scheduler.group_size=3",
-            "run.groups_per_step=2", "scheduler.tasks.count=20", 'monitor.display="off"', "proxy.engine.replicas=2"]
+            "run.groups_per_step=2", "scheduler.tasks.count=20", 'monitor.display="off"', "proxy.engine.replicas=2",
+            # round robin: the calls must reach both engines (cache_aware, the default, keeps one prompt on one)
+            'proxy.engine.router.policy="round_robin"']
     args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
     for s in sets:
         args += ["--set", s]
