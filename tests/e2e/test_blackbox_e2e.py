@@ -14,21 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ci import require
-from tests.helpers.docker import docker_available
+from tests.helpers.docker import require_images
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.harness, pytest.mark.timeout(900)]
 
 
 def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learned(tmp_path):
-    require(docker_available(), "no Docker engine (start dockerd; harness_images/ci_setup.sh does it)")
-    from pipeline.rollout.images import ImageError, build_all
-
-    try:
-        build_all()
-    except ImageError as e:
-        require(False, f"cannot build the sandbox images: {e}")
+    require_images()
 
     out = tmp_path / "bench"
     sets = [f'run.model="{tmp_path / "model"}"', "run.steps=2", "run.groups_per_step=2", "scheduler.group_size=2",

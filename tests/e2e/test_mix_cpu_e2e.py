@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ci import require
 from tests.helpers.cli import run_py, run_py_together
-from tests.helpers.docker import docker_available
+from tests.helpers.docker import require_images
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.harness, pytest.mark.timeout(1500)]
@@ -26,13 +25,7 @@ def run(*args: str):
 
 
 def test_mix_cpu_every_harness_through_demonstrations_sft_and_rl_then_replay(tmp_path):
-    require(docker_available(), "no Docker engine (start dockerd; harness_images/ci_setup.sh does it)")
-    from pipeline.rollout.images import ImageError, build_all
-
-    try:
-        build_all()
-    except ImageError as e:
-        require(False, f"cannot build the sandbox images: {e}")
+    require_images()
 
     run_dir = tmp_path / "run"
     r = run("--experiment", "mix-cpu", "--run-dir", str(run_dir), "--no-watch",

@@ -19,3 +19,15 @@ def containers_of(run_id: str, running_only: bool = False) -> list[str]:
 # This machine's tests build task images and verify without network: their tasks need none ([sandbox.docker]
 # build_network, verifier_network; users get "bridge", as Harbor gives).
 OFFLINE = {"build_network": "none", "verifier_network": "none"}
+
+
+def require_images() -> None:
+    """A Docker engine and every sandbox image (built here when missing); fails in CI, skips on a laptop."""
+    from pipeline.rollout.images import ImageError, build_all
+    from tests.helpers.ci import require
+
+    require(docker_available(), "no Docker engine (start dockerd; harness_images/ci_setup.sh does it)")
+    try:
+        build_all()
+    except ImageError as e:
+        require(False, f"cannot build the sandbox images: {e}")

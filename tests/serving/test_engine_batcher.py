@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.models.small import VocabTable, create_small_model
-from pipeline.serving.embedded.batcher import Add, Batcher, Req, Stop
+from pipeline.serving.embedded.batcher import Add, Batcher, Stop
 from pipeline.serving.embedded.runner import ModelRunner
+from tests.helpers.batcher import drive, logprobs, make_req, teacher_forced
 
 
 @pytest.fixture(scope="module")
@@ -32,38 +33,6 @@ def runner(tmp_path_factory) -> ModelRunner:
         num_kv_heads=1,
     )
     return ModelRunner(Path(path), torch.float32, context_length=256)
-
-
-def make_req(rid: str, prompt: list[int], n: int, temperature: float, seed: int, sink: dict) -> Req:
-    def deliver(payload, final):
-        if final:
-            sink[rid] = payload
-
-    return Req(
-        rid=rid,
-        prompt=prompt,
-        max_new_tokens=n,
-        temperature=temperature,
-        top_p=1.0,
-        top_k=-1,
-        stop_ids=frozenset(),
-        ignore_eos=True,
-        return_logprob=True,
-        stream=False,
-        generator=torch.Generator().manual_seed(seed),
-        deliver=deliver,
-    )
-
-
-def teacher_forced(
-    runner: ModelRunner, prompt: list[int], out_model: list[int], temperature: float
-) -> torch.Tensor:
-    ids = torch.tensor(prompt + out_model)
-    with torch.no_grad():
-        logits = runner.model(input_ids=ids[None]).logits[0].float()
-    lp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
-    n = len(prompt)
-    return lp[n - 1 : -1].gather(1, ids[n:, None])[:, 0]
 
 
 @settings(max_examples=15, deadline=None)
@@ -83,28 +52,17 @@ def test_batched_logprobs_equal_teacher_forcing(runner, reqs, max_running):
     made = []
     for i, (plen, n, _, temp) in enumerate(reqs):
         prompt = [1 + (7 * i + 3 * j) % 60 for j in range(plen)]
-        made.append(make_req(f"r{i}", prompt, n, temp, seed=i, sink=sink))
-    step = 0
-    while len(sink) < len(made):
-        for req, (_, _, arrive, _) in zip(made, reqs, strict=True):
-            if arrive == step:
-                batcher._command(Add(req))
-        batcher._drop_finished()
-        batcher._admit()
-        if batcher.rows:
-            batcher._step()
-        batcher._drop_finished()
-        step += 1
-        assert step < 200
+        made.append(make_req(f"r{i}", prompt, n, temperature=temp, seed=i, sink=sink))
+    drive(batcher, [(arrive, req) for req, (_, _, arrive, _) in zip(made, reqs, strict=True)], max_steps=200)
     assert not batcher.rows and not batcher.waiting
-    for req, (_, n, _, temp) in zip(made, reqs, strict=True):
+    for req, (_, n, _, _) in zip(made, reqs, strict=True):
         out = sink[req.rid]
         assert len(out["output_ids"]) == n and out["meta_info"]["finish_reason"] == {
             "type": "length",
             "length": n,
         }
-        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-        ref = teacher_forced(runner, req.prompt, req.out_model, temp)
+        got = logprobs(out)
+        ref = teacher_forced(runner, req)
         assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got, ref)
 
 
@@ -112,21 +70,21 @@ def test_a_failing_step_answers_every_running_request_and_the_engine_continues(r
     batcher = Batcher(runner, version="0", max_running=4)
     sink: dict = {}
     for i in range(3):
-        batcher._command(Add(make_req(f"f{i}", [1, 2, 3 + i], 5, 1.0, i, sink)))
+        batcher._command(Add(make_req(f"f{i}", [1, 2, 3 + i], 5, temperature=1.0, seed=i, sink=sink)))
     real = runner.decode
     monkeypatch.setattr(runner, "decode", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     batcher.thread.start()
     try:
         # the thread picks the requests up from its inbox; inject them through submit for realism
         for i in range(3, 5):
-            batcher.submit(Add(make_req(f"f{i}", [4, 5], 5, 1.0, i, sink)))
+            batcher.submit(Add(make_req(f"f{i}", [4, 5], 5, temperature=1.0, seed=i, sink=sink)))
         deadline = 200
         while len(sink) < 5 and deadline:
             batcher.thread.join(0.05)
             deadline -= 1
         assert all(sink[f"f{i}"] == {"error": "RuntimeError: boom"} for i in range(5))
         monkeypatch.setattr(runner, "decode", real)
-        batcher.submit(Add(make_req("ok", [1, 2], 4, 1.0, 0, sink)))
+        batcher.submit(Add(make_req("ok", [1, 2], 4, temperature=1.0, seed=0, sink=sink)))
         deadline = 200
         while "ok" not in sink and deadline:
             batcher.thread.join(0.05)
@@ -146,18 +104,18 @@ def test_full_vocabulary_model(tmp_path):
     batcher = Batcher(full, version="0", max_running=2)
     sink: dict = {}
     prompt = [151_644, 9707, 11, 1879]
-    for i in range(2):
-        batcher._command(Add(make_req(f"q{i}", prompt[: 2 + i], 6, 0.9, i, sink)))
+    reqs = [make_req(f"q{i}", prompt[: 2 + i], 6, temperature=0.9, seed=i, sink=sink) for i in range(2)]
+    for req in reqs:
+        batcher._command(Add(req))
     while len(sink) < 2:
         batcher._admit()
         if batcher.rows:
             batcher._step()
         batcher._drop_finished()
-    for i in range(2):
-        req_prompt = prompt[: 2 + i]
-        out = sink[f"q{i}"]
-        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-        assert torch.allclose(got, teacher_forced(full, req_prompt, out["output_ids"], 0.9), atol=1e-4)
+    for req in reqs:
+        out = sink[req.rid]
+        assert out["output_ids"] == req.out_model  # a full vocabulary: model ids are Qwen ids
+        assert torch.allclose(logprobs(out), teacher_forced(full, req), atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +141,7 @@ def test_sampler_follows_the_filtered_distribution(runner, temperature, top_k, t
 
     n = 4000
     batcher = Batcher(runner, version="0", max_running=n)
-    reqs = [make_req(str(i), [1], 10, temperature, seed=i, sink={}) for i in range(n)]
+    reqs = [make_req(str(i), [1], 10, temperature=temperature, seed=i, sink={}) for i in range(n)]
     for r in reqs:
         r.top_k, r.top_p, r.n_cached = top_k, top_p, 1
     batcher._sample(reqs, logits.expand(n, v).clone())

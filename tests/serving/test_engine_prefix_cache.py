@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pipeline.models.small import VocabTable, create_small_model
 from pipeline.serving.embedded.batcher import Add, Batcher, Flush, Req, UpdateWeights
 from pipeline.serving.embedded.runner import ModelRunner
+from tests.helpers.batcher import drive, logprobs, make_req, teacher_forced
 
 ATOL = 1e-4  # as test_engine_batcher.py: batched and padded forwards differ from one forward by float rounding
 BUDGET = 64 << 20
@@ -33,46 +34,6 @@ def build(root: Path, seed: int = 0) -> Path:
 def runner(tmp_path_factory) -> ModelRunner:
     torch.set_num_threads(1)
     return ModelRunner(build(tmp_path_factory.mktemp("m") / "m"), torch.float32, context_length=512)
-
-
-def make_req(rid: str, prompt: list[int], n: int, seed: int, sink: dict, temperature: float = 0.8) -> Req:
-    def deliver(payload, final):
-        if final:
-            sink[rid] = payload
-
-    return Req(rid=rid, prompt=prompt, max_new_tokens=n, temperature=temperature, top_p=1.0, top_k=-1,
-               stop_ids=frozenset(), ignore_eos=True, return_logprob=True, stream=False,
-               generator=torch.Generator().manual_seed(seed), deliver=deliver)
-
-
-def run(batcher: Batcher, arrivals: list[tuple[int, Req]]) -> None:
-    """Add each request at its step, as the decode thread would between two steps, until the engine is idle."""
-    step = 0
-    while step <= max((at for at, _ in arrivals), default=0) or batcher.rows or batcher.waiting:
-        for at, r in arrivals:
-            if at == step:
-                batcher._command(Add(r))
-        batcher._drop_finished()
-        batcher._admit()
-        if batcher.rows:
-            batcher._step()
-        batcher._drop_finished()
-        step += 1
-        assert step < 500
-    assert all(r.finish is not None for _, r in arrivals)
-
-
-def logprobs(out: dict) -> torch.Tensor:
-    return torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-
-
-def teacher_forced(runner: ModelRunner, req: Req) -> torch.Tensor:
-    ids = torch.tensor(req.prompt + req.out_model)
-    with torch.no_grad():
-        logits = runner.model(input_ids=ids[None]).logits[0].float()
-    lp = torch.log_softmax(logits / req.temperature, dim=-1)
-    n = len(req.prompt)
-    return lp[n - 1 : -1].gather(1, ids[n:, None])[:, 0]
 
 
 def rollout_wave() -> list[tuple[int, Req, dict]]:
@@ -91,7 +52,7 @@ def test_shared_prefixes_equal_teacher_forcing_and_the_cache_off(runner, max_run
     for budget in (0, BUDGET):
         batcher = Batcher(runner, version="0", max_running=max_running, prefix_cache_bytes=budget)
         wave = rollout_wave()
-        run(batcher, [(at, r) for at, r, _ in wave])
+        drive(batcher, [(at, r) for at, r, _ in wave])
         outs[budget] = (wave, batcher.stats)
     (off, off_stats), (on, on_stats) = outs[0], outs[BUDGET]
     for (_, r_off, sink_off), (_, r_on, sink_on) in zip(off, on, strict=True):
@@ -118,7 +79,7 @@ def test_the_next_call_of_a_rollout_reuses_the_previous_prompt_and_output(runner
     calls = []
     for turn in range(3):
         r = make_req(f"t{turn}", prompt, 6 + turn, seed=turn, sink=sink)
-        run(batcher, [(0, r)])
+        drive(batcher, [(0, r)])
         calls.append(r)
         assert torch.allclose(logprobs(sink[r.rid]), teacher_forced(runner, r), atol=ATOL, rtol=0)
         prompt = r.prompt + r.out_model + [30 + turn, 31, 32]  # the harness appends the tool's answer
@@ -134,7 +95,7 @@ def test_an_identical_prompt_still_computes_its_last_token(runner):
     batcher = Batcher(runner, version="0", max_running=2, prefix_cache_bytes=BUDGET)
     sink: dict = {}
     a, b = (make_req(rid, SYSTEM[:20], 5, seed=3, sink=sink) for rid in ("a", "b"))
-    run(batcher, [(0, a), (3, b)])
+    drive(batcher, [(0, a), (3, b)])
     assert sink["b"]["meta_info"]["cached_tokens"] == 19
     assert a.out_model == b.out_model  # same seed, same distribution
     assert torch.allclose(logprobs(sink["b"]), logprobs(sink["a"]), atol=ATOL, rtol=0)
@@ -153,7 +114,7 @@ def test_any_arrivals_equal_teacher_forcing(runner, shapes, max_running, budget)
     for i, (share, tail, n, at) in enumerate(shapes):
         prompt = SYSTEM[: 8 * share] + [1 + (13 * i + j) % 59 for j in range(tail)] or [1]
         arrivals.append((at, make_req(f"h{i}", prompt, n, seed=i, sink=sink)))
-    run(batcher, arrivals)
+    drive(batcher, arrivals)
     for _, r in arrivals:
         assert torch.allclose(logprobs(sink[r.rid]), teacher_forced(runner, r), atol=ATOL, rtol=0)
     assert batcher.prefix.bytes <= budget
@@ -162,7 +123,7 @@ def test_any_arrivals_equal_teacher_forcing(runner, shapes, max_running, budget)
 def test_cached_tensors_are_never_written(runner):
     batcher = Batcher(runner, version="0", max_running=4, prefix_cache_bytes=BUDGET)
     first = rollout_wave()
-    run(batcher, [(at, r) for at, r, _ in first])
+    drive(batcher, [(at, r) for at, r, _ in first])
     stored = []
     stack = list(batcher.prefix.root.children.values())
     while stack:
@@ -172,7 +133,7 @@ def test_cached_tensors_are_never_written(runner):
     assert stored
     # every request of the second wave hits the cache (its prompts are the first wave's), then decodes
     second = rollout_wave()
-    run(batcher, [(at, r) for at, r, _ in second])
+    drive(batcher, [(at, r) for at, r, _ in second])
     assert all(sink[r.rid]["meta_info"]["cached_tokens"] > 0 for _, r, sink in second)
     assert all(torch.equal(t, copy) for t, copy in stored)
 
@@ -186,7 +147,7 @@ def test_a_weight_update_never_serves_kv_of_the_old_weights(tmp_path):
     batcher = Batcher(runner, version="0", max_running=4, prefix_cache_bytes=BUDGET)
     sink: dict = {}
     prompt = SYSTEM + [3, 4]
-    run(batcher, [(0, make_req("before", prompt, 6, seed=0, sink=sink))])
+    drive(batcher, [(0, make_req("before", prompt, 6, seed=0, sink=sink))])
     assert batcher.prefix.tokens > 0
     long = make_req("through", SYSTEM + [9], 40, seed=1, sink=sink)
     batcher._command(Add(long))
@@ -200,10 +161,10 @@ def test_a_weight_update_never_serves_kv_of_the_old_weights(tmp_path):
     # the running request's KV was recomputed (the cache was empty: nothing reused), and put into the cache
     assert batcher.stats["cached_tokens"] == cached_before and batcher.prefix.tokens == len(long.prompt) + 1
     after = make_req("after", prompt, 6, seed=0, sink=sink)
-    run(batcher, [(0, after)])
+    drive(batcher, [(0, after)])
     assert sink["after"]["meta_info"]["cached_tokens"] == len(SYSTEM)  # the new weights' KV of the system prompt
     again = make_req("again", prompt, 6, seed=0, sink=sink)
-    run(batcher, [(0, again)])
+    drive(batcher, [(0, again)])
     assert sink["again"]["meta_info"]["cached_tokens"] == len(prompt) - 1
     for r in (after, again):
         assert torch.allclose(logprobs(sink[r.rid]), teacher_forced(runner, r), atol=ATOL, rtol=0)
