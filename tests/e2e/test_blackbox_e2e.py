@@ -57,11 +57,12 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
         report = json.loads((out / "codex-seed0" / name / "eval" / "report.json").read_text())
         assert report["pairs"] and {p["harness"] for p in report["pairs"]} == {"codex"}, name
 
-    # uniform rewards: every RL step is reported as one without a learning signal, in the log and the metrics
-    if all(f.reward == train[0].reward for f in train):
-        lines = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
-        causes = {x.get("step"): x.get("cause") for x in lines if x.get("level") == "warning" and x.get("cause")}
-        assert causes.get(1) == causes.get(2) == "no_reward_spread", causes
-        steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        steps = [m for m in steps if m.get("kind") == "rl_step"]
-        assert [m["zero_var_frac"] for m in steps] == [1.0, 1.0] and all(m["warnings"] for m in steps)
+    # a barely trained policy names no file and word right (chance: under 1 in 800 per rollout), so every reward is
+    # 0 and every RL step is reported as one without a learning signal, in the log and the metrics
+    assert all(f.status == "ok" and f.reward == 0.0 for f in train), [(f.status, f.reward) for f in train]
+    lines = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+    causes = {x.get("step"): x.get("cause") for x in lines if x.get("level") == "warning" and x.get("cause")}
+    assert causes.get(1) == causes.get(2) == "no_reward_spread", causes
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if m.get("kind") == "rl_step"]
+    assert [m["zero_var_frac"] for m in steps] == [1.0, 1.0] and all(m["warnings"] for m in steps)
