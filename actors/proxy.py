@@ -46,6 +46,10 @@ class ProxyActorSettings(Section):
     keepalive_s: Annotated[float, msgspec.Meta(gt=0, le=15)] = 5.0  # SSE heartbeat; harnesses give up after ~15 s
     stream_head_s: NonNegFloat = 0.02  # a stream's head goes out when the engine has not answered within this
     max_body_bytes: PosInt = 32 << 20
+    # what one sandbox can hold (docs/serving.md, "What a client can hold")
+    request_timeout_s: PosFloat = 60.0
+    max_connections: PosInt = 1024
+    max_connections_per_token: PosInt = 64
     context_len: PosInt = 32768
     model_name: str = "policy"
     subagent_model: str = "policy-subagent"
@@ -106,7 +110,9 @@ class ProxyActor(Actor[ProxyActorSettings]):
         return ProxySettings(host=c.host, port=c.port, unix_socket=sock, keepalive_s=c.keepalive_s,
                              stream_head_s=c.stream_head_s,
                              max_body_bytes=c.max_body_bytes, context_len=c.context_len, model_name=c.model_name,
-                             subagent_model=c.subagent_model, engine_retries=c.engine_retries)
+                             subagent_model=c.subagent_model, engine_retries=c.engine_retries,
+                             request_timeout_s=c.request_timeout_s, max_connections=c.max_connections,
+                             max_connections_per_token=c.max_connections_per_token)
 
     async def run(self) -> None:
         engine_settings = msgspec.structs.replace(self.config.engine, model=self.ctx.run.model)

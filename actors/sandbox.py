@@ -49,6 +49,10 @@ class SandboxConfig(Section):
                                   f'another node; the ray backend needs "none" or "bridge" (its relays)')
         if self.judge is not None:
             self.judge.check(f"[{name}].judge", exp.source)
+        for why in (self.docker.problem(f"[{name}.docker]") if self.backend in ("docker", "ray") else "",
+                    self.local.problem(f"[{name}.local]") if self.backend == "local" else ""):
+            if why:
+                raise ConfigError(f"{exp.source}: {why}")
 
 
 class SandboxPool(Actor[SandboxConfig]):

@@ -16,6 +16,7 @@ A reload that touches a fixed field is refused as a whole, so nothing is ever ha
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import tomllib
 import typing
@@ -286,6 +287,7 @@ def load_experiment(
         legacy.refuse_moved(raw, source)
     except legacy.LegacyError as e:
         raise ConfigError(str(e)) from None
+    _check_finite(source, raw, overrides)
     exp = _decode(source, "experiment", raw.pop("experiment", {}), ExperimentSection, overrides)
     run = _decode(source, "run", raw.pop("run", {}), RunSection, overrides)
     graph = _decode(source, "graph", raw.pop("graph", {}), GraphSection, overrides)
@@ -300,6 +302,24 @@ def load_experiment(
         except ConfigError as e:
             raise ConfigError(_blame_override(str(e), overrides)) from None
     return out
+
+
+def _check_finite(source: str, raw: dict[str, Any], overrides: list[str]) -> None:
+    """No setting is NaN or infinite (TOML writes them ``nan`` and ``inf``): a NaN coefficient or learning rate
+    would silently destroy the policy, an infinite one too, and no bound can be checked against NaN."""
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in raw.items()]
+    while stack:
+        key, v = stack.pop()
+        if isinstance(v, dict):
+            stack += [(f"{key}.{k}", x) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(f"{key}[{i}]", x) for i, x in enumerate(v)]
+        elif isinstance(v, float) and not math.isfinite(v):
+            table, _, field = key.partition(".")
+            where = f"[{table}].{field}" if field else key
+            given = [o for o in overrides if o.split("=", 1)[0].strip() == key.split("[", 1)[0]]
+            origin = f"--set {given[0]}" if given else source
+            raise ConfigError(f"{origin}: {where} = {v}: settings must be finite numbers")
 
 
 def _blame_override(msg: str, overrides: list[str]) -> str:
@@ -325,6 +345,9 @@ def _read_experiment(name_or_path: str | Path | dict[str, Any]) -> tuple[str, di
         return str(path), tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); an "
+                          "experiment file is TOML, which is UTF-8") from None
 
 
 def _check_graph(source: str, graph: GraphSection, actor_sections: list[str]) -> None:
@@ -339,12 +362,45 @@ def _check_graph(source: str, graph: GraphSection, actor_sections: list[str]) ->
     for n in graph.stop_after:
         if n not in names:
             raise ConfigError(f"{source}: [graph].stop_after names actor \"{n}\", which is not in [graph].actors")
+    if not graph.stop_after and (cycle := _cycle(graph)):
+        raise ConfigError(f"{source}: [graph].stop_after is empty, and the edges make a cycle ({' -> '.join(cycle)}), "
+                          "which never drains by itself: the run would never end; name the actors whose end ends "
+                          'the run, e.g. stop_after = ["learner"]')
+    for n in graph.inbox_sizes:
+        if n not in names:
+            raise ConfigError(f"{source}: [graph].inbox_sizes names actor \"{n}\", which is not in [graph].actors "
+                              f"({', '.join(sorted(names))})")
     for name in actor_sections:
         if name not in names:
             raise ConfigError(
                 f"{source}: unknown section [{name}]; sections are [experiment], [graph], [run] and one per actor "
                 f"in [graph].actors ({', '.join(sorted(names))}){SECTION_HINTS.get(name, '')}"
             )
+
+
+def _cycle(graph: GraphSection) -> list[str]:
+    """One cycle of the graph's edges as actor names (first name repeated at the end); [] when it has none."""
+    succ: dict[str, list[str]] = {}
+    for src, _out, dst in graph.parsed_edges():
+        succ.setdefault(src, []).append(dst)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for start in sorted(succ):
+        if state.get(start):
+            continue
+        path, stack = [start], [iter(succ.get(start, []))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(succ.get(nxt, [])))
+    return []
 
 
 # Sections people look for that are tables of an actor's section instead.

@@ -8,11 +8,12 @@ crashed (``kill -9``) earlier start of this run left before it starts anew, and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
-import shutil
 import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -33,6 +34,33 @@ def run_tag(run_dir: str | Path | None) -> str:
     return f"{safe_name(path.name, 24)}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
 
 
+def remove_tree(path: str | Path) -> bool:
+    """Remove ``path`` (a folder of any depth, a file, a link: never followed); True when it is gone. Never raises.
+
+    A policy controls what its workspace holds: a folder chain thousands deep makes ``shutil.rmtree`` raise
+    ``RecursionError`` on Python 3.11, and folders it made unwritable or unsearchable stop a plain removal. GNU
+    ``rm`` walks any depth without recursion; folders it could not enter are made enterable (``chmod -R u+rwx``,
+    which does not follow links) and removed again."""
+    p = Path(path)
+    try:
+        if not os.path.lexists(p):
+            return True
+        if p.is_symlink() or not p.is_dir():
+            p.unlink()
+            return True
+    except OSError:
+        return not os.path.lexists(p)
+    for cmd in (["rm", "-rf", "--one-file-system", "--", str(p)],
+                ["chmod", "-R", "u+rwx", "--", str(p)],
+                ["rm", "-rf", "--one-file-system", "--", str(p)]):
+        if not os.path.lexists(p):
+            return True
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=600, check=False)
+    return not os.path.lexists(p)
+
+
 def remove_prefixed(parent: str | Path, prefix: str) -> list[Path]:
     """Remove every entry of ``parent`` whose name starts with ``prefix``; return what was there. A missing
     ``parent`` holds nothing; what cannot be removed (another user's files) stays, silently."""
@@ -44,10 +72,7 @@ def remove_prefixed(parent: str | Path, prefix: str) -> list[Path]:
     for e in entries:
         if e.name.startswith(prefix):
             found.append(Path(e.path))
-            if e.is_dir(follow_symlinks=False):
-                shutil.rmtree(e.path, ignore_errors=True)
-            else:
-                Path(e.path).unlink(missing_ok=True)
+            remove_tree(e.path)
     return found
 
 

@@ -44,7 +44,7 @@ class EvalSettings(Section):
     # --checkpoint RUN_DIR adds that run's)
     exclude: list[str] = msgspec.field(default_factory=list)
     samples: PosInt = 4  # n rollouts per (task, harness) pair
-    ks: list[PosInt] = msgspec.field(default_factory=lambda: [1])  # pass@k and pass^k for each k <= samples
+    ks: Annotated[list[PosInt], msgspec.Meta(min_length=1)] = msgspec.field(default_factory=lambda: [1])  # pass@k and pass^k for each k <= samples
     threshold: float = 1.0  # a rollout succeeds when its status is ok and its reward is at least this
     every_steps: NonNegInt = 0  # during training: a round after every N RL steps and after the cold start
     # set by run.py --eval (a graph with no learner): one round of the served policy at once, then stop

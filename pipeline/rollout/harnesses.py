@@ -409,6 +409,17 @@ def sandbox_harness(harness: str) -> tuple[Harness, str]:
     return found, variant
 
 
+def harness_problem(harness: str) -> str:
+    """Why ``harness`` (as a setting names it) cannot run in a sandbox; "" when it can."""
+    try:
+        found, variant = sandbox_harness(harness)
+        if found.name == "whitebox" and variant:
+            HarnessConfig.parse(variant)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def launch_for(harness: str, ctx: LaunchContext) -> Launch:
     """How to start ``harness`` (as in RolloutRequest.harness: "claude-code", "codex", "qwen-code", "openclaw",
     "whitebox", "whitebox:S0T1O2C1W0" or "oracle", which runs the task's solution/solve.sh) in ``ctx``."""

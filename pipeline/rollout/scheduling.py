@@ -29,7 +29,7 @@ from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt, Secti
 from pipeline.messages import RolloutRequest, SamplingParams
 from pipeline.rollout import demonstrations
 from pipeline.rollout.harness_space import design, locality_assignment
-from pipeline.rollout.harnesses import HARNESSES, harness_for
+from pipeline.rollout.harnesses import HARNESSES, harness_for, harness_problem
 from pipeline.rollout.tasks import Task, load_task_dir
 
 Purpose = Literal["train", "eval", "sft"]
@@ -99,6 +99,9 @@ class SchedulerSettings(Section):
             raise ConfigError(f"{exp.source}: [{name}].top_k: 0 samples nothing; use -1 (off) or >= 1")
         if self.mode == "mix" and not self.harnesses:
             raise ConfigError(f'{exp.source}: [{name}].harnesses: mode = "mix" needs the list of harnesses')
+        for label, value in [("harness", self.harness), *(("harnesses", h) for h in self.harnesses)]:
+            if why := harness_problem(value):
+                raise ConfigError(f"{exp.source}: [{name}].{label}: {why}")
         proxy = exp.kind_section("proxy")
         for field_name in ("max_new_tokens", "sft_max_new_tokens") if self.sft_groups else ("max_new_tokens",):
             value = getattr(self, field_name)

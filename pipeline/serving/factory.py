@@ -45,9 +45,9 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_format: str = "auto"
     enable_thinking: bool = False
     weight_version: int = 0  # the policy version the engine starts with (sent as a string)
-    max_running_requests: int = 32  # embedded
-    threads: int = 0  # embedded: torch threads per engine (0 = half the cores, shared out among the replicas)
-    context_len: int = 0  # embedded: the context length (0: the model's own)
+    max_running_requests: Annotated[int, msgspec.Meta(ge=1)] = 32  # embedded
+    threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # embedded: torch threads per engine (0 = half the cores, shared out among the replicas)
+    context_len: Annotated[int, msgspec.Meta(ge=0)] = 0  # embedded: the context length (0: the model's own)
     device: str = "cpu"  # embedded: "cpu", "cuda" or "cuda:N" (where its model runs)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded: the served weights' dtype
     # embedded: MiB of KV its prefix cache may hold (0 = off); a prompt's longest cached prefix is not computed again

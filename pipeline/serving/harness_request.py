@@ -12,10 +12,11 @@ from typing import Any
 
 import orjson
 
-from pipeline.serving.http_server import Request, Response, json_response
+from pipeline.serving.http_server import Request, Response, json_response, request_credential
 from pipeline.serving.wire import ErrorKind, Protocol
 from pipeline.tokens.conversation import Conversation
 from pipeline.tokens.from_wire import ConversionError, from_anthropic, from_chat, from_responses
+from pipeline.tokens.toolparse import too_deep
 
 
 class ProxyError(Exception):
@@ -24,14 +25,12 @@ class ProxyError(Exception):
         self.kind = kind
 
 
+# Harnesses' requests nest about 20 levels (tool schemas); a deeper body is refused before any code walks it.
+MAX_BODY_DEPTH = 128
+
+
 def request_token(request: Request) -> str:
-    key = request.headers.get("x-api-key", "")
-    if key:
-        return key.strip()
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return ""
+    return request_credential(request.headers)
 
 
 def read_body(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -46,10 +45,12 @@ def read_body(request: Request, max_bytes: int) -> dict[str, Any]:
         # tool output, integers over 64 bits); json also words the error for the client
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ProxyError("invalid_request", f"body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ProxyError("invalid_request", f"body must be a JSON object, got {type(body).__name__}")
+    if too_deep(body, MAX_BODY_DEPTH):
+        raise ProxyError("invalid_request", f"body is nested deeper than {MAX_BODY_DEPTH} levels")
     return body
 
 

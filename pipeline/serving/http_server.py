@@ -9,6 +9,13 @@ still reaches its handler, marked ``too_large``, so the refusal is in the endpoi
 length written in one buffer, and streamed answers (SSE) in chunks. Idle keep-alive connections close after
 ``keepalive_timeout_s``; a malformed request gets a 400 and the connection closes.
 
+What a client can hold is bounded, because a sandboxed policy is a client: a request must arrive whole (head and
+body) within ``request_timeout_s`` of its first byte, or it gets a 408 and its connection closes (a client that
+sends a byte a second holds nothing for long); at most ``max_connections`` connections are open, and a new one over
+the cap takes the place of the one idle or reading the longest, or is refused when every one is being answered; a
+credential (``x-api-key`` / bearer token, one per rollout) holds at most ``max_connections_per_token`` requests
+being read or answered, and one more gets a 429.
+
 A handler gets a :class:`Request` and returns a :class:`Response`, or the :class:`Stream` it opened with
 :meth:`Request.stream` and ended. :meth:`Request.send` writes an answer at once and raises ConnectionError when the
 client is gone, for a caller that must know whether its answer was delivered.
@@ -46,6 +53,19 @@ def _head(status: int, headers: dict[str, str], extra: bytes) -> bytes:
 
 class _HeadTooLarge(Exception):
     pass
+
+
+class _TooManyForToken(Exception):
+    pass
+
+
+def request_credential(headers: dict[str, str]) -> str:
+    """The request's credential: ``x-api-key``, else the bearer token of ``authorization`` ("" when none)."""
+    key = headers.get("x-api-key", "")
+    if key:
+        return key.strip()
+    auth = headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
 
 
 class Response:
@@ -166,10 +186,19 @@ class _Connection(asyncio.Protocol):
         self._size = 0
         self._head_bytes = 0
         self._too_large = False
+        self.reading_since: float | None = None  # monotonic time of the first byte of a request still arriving
+        self.token = ""  # the credential of the request being read or answered (per-token cap)
 
     # ---------------------------------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if not self.server.admit(self):
+            body = orjson.dumps({"error": {"message": "the server holds too many connections",
+                                           "type": "server_error"}})
+            transport.write(_head(503, {"Content-Type": "application/json"},  # type: ignore[attr-defined]
+                                  b"Content-Length: %d\r\nConnection: close\r\n" % len(body)) + body)
+            self.close()
+            return
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -196,6 +225,8 @@ class _Connection(asyncio.Protocol):
             cause = e.__cause__ or e.__context__  # what a callback raised
             if isinstance(cause, _HeadTooLarge):
                 self._refuse(431, str(cause))
+            elif isinstance(cause, _TooManyForToken):
+                self._refuse(429, str(cause))
             else:
                 self._refuse(400, f"malformed HTTP request: {e}")
 
@@ -231,6 +262,7 @@ class _Connection(asyncio.Protocol):
 
     # ---------------------------------------------------------------------------- httptools callbacks
     def on_message_begin(self) -> None:
+        self.reading_since = time.monotonic()
         self._url = b""
         self._headers = {}
         self._body = []
@@ -254,6 +286,10 @@ class _Connection(asyncio.Protocol):
         self._headers[k] = f"{self._headers[k]}, {v}" if k in self._headers else v
 
     def on_headers_complete(self) -> None:
+        self.token = request_credential(self._headers)
+        if self.token and self.server.token_load(self.token) > self.server.max_connections_per_token:
+            raise _TooManyForToken(f"more than {self.server.max_connections_per_token} requests at once with one "
+                                   "credential")
         length = self._headers.get("content-length", "")
         if length.isdigit() and int(length) > self.server.max_body_bytes:
             self._too_large = True
@@ -271,6 +307,7 @@ class _Connection(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self.reading_since = None
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         parser = self.parser
         assert parser is not None  # it is calling
@@ -299,6 +336,8 @@ class _Connection(asyncio.Protocol):
             self.last_active = time.monotonic()
             if not self.queue or self.closed:
                 self.task = None
+                if self.reading_since is None:
+                    self.token = ""
                 return
             req = self.queue.popleft()
             if len(self.queue) == MAX_PIPELINED - 1 and self.transport is not None:
@@ -309,14 +348,35 @@ class HttpServer:
     """Routes by (method, path); listens on TCP and Unix sockets; :meth:`close` stops it."""
 
     def __init__(self, routes: dict[tuple[str, str], Handler], *, max_body_bytes: int,
-                 keepalive_timeout_s: float = 75.0) -> None:
+                 keepalive_timeout_s: float = 75.0, request_timeout_s: float = 60.0, max_connections: int = 1024,
+                 max_connections_per_token: int = 64) -> None:
         self.routes = routes
         self.paths = {path for _, path in routes}
         self.max_body_bytes = max_body_bytes
         self.keepalive_timeout_s = keepalive_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.max_connections = max_connections
+        self.max_connections_per_token = max_connections_per_token
         self.connections: set[_Connection] = set()
         self._servers: list[asyncio.Server] = []
         self._sweeper: asyncio.Task[None] | None = None
+
+    def admit(self, conn: _Connection) -> bool:
+        """Whether a new connection may open: under the cap, or once the connection idle or reading the longest
+        (not one being answered) made room."""
+        if len(self.connections) < self.max_connections:
+            return True
+        spare = [c for c in self.connections if c.task is None]
+        if not spare:
+            return False
+        oldest = min(spare, key=lambda c: c.reading_since if c.reading_since is not None else c.last_active)
+        oldest._refuse(503, "closed to make room for a new connection")
+        self.connections.discard(oldest)
+        return True
+
+    def token_load(self, token: str) -> int:
+        """Requests being read or answered with credential ``token``, the one asking included."""
+        return sum(1 for c in self.connections if c.token == token)
 
     async def dispatch(self, req: Request) -> Response | Stream:
         handler = self.routes.get((req.method, req.path))
@@ -353,12 +413,15 @@ class HttpServer:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _sweep(self) -> None:
-        """Close keep-alive connections idle (no request being answered) for keepalive_timeout_s."""
+        """Close keep-alive connections idle (no request being answered) for keepalive_timeout_s, and refuse
+        requests still arriving request_timeout_s after their first byte."""
         while True:
-            await asyncio.sleep(min(10.0, self.keepalive_timeout_s))
+            await asyncio.sleep(min(10.0, self.keepalive_timeout_s, self.request_timeout_s / 2))
             now = time.monotonic()
             for c in list(self.connections):
-                if c.task is None and now - c.last_active > self.keepalive_timeout_s:
+                if c.reading_since is not None and now - c.reading_since > self.request_timeout_s:
+                    c._refuse(408, f"the request did not arrive within {self.request_timeout_s:g}s")
+                elif c.task is None and c.reading_since is None and now - c.last_active > self.keepalive_timeout_s:
                     c.close()
 
     async def close(self, timeout_s: float = 5.0) -> None:

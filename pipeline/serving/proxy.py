@@ -75,6 +75,12 @@ class ProxySettings(msgspec.Struct, kw_only=True):
     # from "at once" (wire rules §4). 0 sends the head before waiting on the engine at all.
     stream_head_s: float = 0.02
     max_body_bytes: int = 32 << 20
+    # What one client can hold (pipeline/serving/http_server.py): a sandbox is a client, and its policy may be
+    # hostile. A request arrives whole within request_timeout_s; at most max_connections are open; one rollout's
+    # token holds at most max_connections_per_token requests at once.
+    request_timeout_s: float = 60.0
+    max_connections: int = 1024
+    max_connections_per_token: int = 64
     context_len: int = 32768  # prompt + output must fit; longer prompts get a context-length error
     model_name: str = "policy"
     subagent_model: str = "policy-subagent"  # a model id harnesses are told to use for subagents
@@ -197,7 +203,10 @@ class Proxy:
 
     async def start(self) -> str:
         self._render_limiter = anyio.CapacityLimiter(max(1, self.settings.render_threads))
-        self.server = HttpServer(self.routes(), max_body_bytes=self.settings.max_body_bytes)
+        st = self.settings
+        self.server = HttpServer(self.routes(), max_body_bytes=st.max_body_bytes,
+                                 request_timeout_s=st.request_timeout_s, max_connections=st.max_connections,
+                                 max_connections_per_token=st.max_connections_per_token)
         port = await self.server.listen_tcp(self.settings.host, self.settings.port)
         self.base_url = f"http://{self.settings.host}:{port}"
         if self.settings.unix_socket:

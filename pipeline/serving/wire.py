@@ -45,7 +45,7 @@ def _args_obj(args: Any) -> dict[str, Any]:
     if isinstance(args, str):
         try:
             parsed = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return {"input": args}
         return parsed if isinstance(parsed, dict) else {"value": parsed}
     return {"value": args}

@@ -66,7 +66,7 @@ def _args(raw: Any) -> Any:
     if isinstance(raw, str):
         try:
             val = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw
         return val if isinstance(val, dict) else raw
     return raw

@@ -41,7 +41,7 @@ def canonical_args(args: Any) -> str:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return args.strip()
     return json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 

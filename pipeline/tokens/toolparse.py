@@ -102,13 +102,35 @@ def _as_call(obj: Any) -> ToolCall | str:
         # some models double-encode; accept a string that holds a JSON object
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return f"arguments of {name!r} are a string that is not JSON"
     if args is None:
         args = {}
     if not isinstance(args, dict):
         return f"arguments of {name!r} are not a JSON object"
+    if too_deep(args, MAX_ARGS_DEPTH):
+        return f"arguments of {name!r} are nested deeper than {MAX_ARGS_DEPTH} levels"
     return ToolCall(name=name, arguments=args)
+
+
+# Nesting a policy may give a tool call's arguments: deeper ones would stop the JSON encoders the call later meets
+# (orjson stops at 255 levels, Python's json near its recursion limit). No real tool takes arguments this deep.
+MAX_ARGS_DEPTH = 64
+
+
+def too_deep(obj: Any, limit: int) -> bool:
+    """Whether decoded JSON ``obj`` nests lists and objects deeper than ``limit`` levels (iteratively: any depth)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            o = list(o.values())
+        elif not isinstance(o, list):
+            continue
+        if d > limit:
+            return True
+        stack.extend((v, d + 1) for v in o if isinstance(v, dict | list))
+    return False
 
 
 class ToolFormat:
@@ -141,7 +163,7 @@ class HermesFormat(ToolFormat):
         j = _skip_ws(s, i + len(TOOL_OPEN))
         try:
             obj, end = _decoder.raw_decode(s, j)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             obj, end, err = None, -1, f"invalid JSON: {e}"
         else:
             k = _skip_ws(s, end)
@@ -201,7 +223,7 @@ class Llama3JsonFormat(ToolFormat):
         while True:
             try:
                 obj, end = _decoder.raw_decode(body, pos)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 err = f"invalid JSON: {e}"
                 break
             res = _as_call(obj)
@@ -241,7 +263,7 @@ class MistralFormat(ToolFormat):
             return ParsedOutput(text=rest.strip(), thinking=thinking)  # the template writes " " + content|trim
         try:
             items, end = _decoder.raw_decode(rest, _skip_ws(rest, i + len(MISTRAL_CALLS)))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             return self._malformed(rest, thinking, f"invalid JSON after [TOOL_CALLS]: {e}")
         if not isinstance(items, list) or not items:
             return self._malformed(rest, thinking, "[TOOL_CALLS] is not followed by a JSON array of calls")

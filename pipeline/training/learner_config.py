@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt
+from pipeline.messages import RolloutStatus
 from pipeline.training import advantages as adv
 
 
@@ -16,7 +17,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # optimizer and schedule
     lr: PosFloat = 1e-6
     weight_decay: NonNegFloat = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, msgspec.Meta(ge=0, lt=1)], Annotated[float, msgspec.Meta(ge=0, lt=1)]] = (0.9, 0.999)
     adam_eps: PosFloat = 1e-8
     max_grad_norm: PosFloat = 1.0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -29,7 +30,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     advantage: Literal["grpo", "ppo"] = "grpo"
     grpo_eps: PosFloat = 1e-6
     grpo_scale_by_std: bool = True
-    train_statuses: list[str] = msgspec.field(default_factory=lambda: list(adv.DEFAULT_TRAIN_STATUSES))
+    train_statuses: list[RolloutStatus] = msgspec.field(default_factory=lambda: list(adv.DEFAULT_TRAIN_STATUSES))
     clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
     clip_high: NonNegFloat = 0.28
     tis_cap: PosFloat = 2.0  # c_bar of token-level truncated importance sampling

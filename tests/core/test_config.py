@@ -286,3 +286,47 @@ def test_distributed_weight_sync_with_learner_ranks_is_refused():
     with pytest.raises(cfg.ConfigError, match=r'weight_sync = "distributed" with processes = 2: .*use weight_sync = '
                                               r'"disk" with ranks'):
         quickstart(['learner.weight_sync="distributed"', "learner.processes=2"])
+
+
+# Settings a careless user (or a typo) gives, which a run used to accept and then fail on, loop on, or train NaNs
+# with: each is refused by --validate, naming the field.
+@pytest.mark.parametrize(("override", "says"), [
+    ("learner.train.entropy_coef=nan", "[learner].train.entropy_coef = nan: settings must be finite"),
+    ("learner.train.lr=inf", "[learner].train.lr = inf: settings must be finite"),
+    ("learner.train.clip_high=inf", "[learner].train.clip_high = inf"),
+    ("learner.train.tis_cap=inf", "[learner].train.tis_cap = inf"),
+    ("eval.threshold=nan", "[eval].threshold = nan"),
+    ("learner.train.betas=[1.5, -1]", "betas"),
+    ('learner.train.train_statuses=["bogus"]', "train_statuses"),
+    ("graph.stop_after=[]", "[graph].stop_after is empty, and the edges make a cycle"),
+    ("graph.inbox_sizes.nosuch=5", 'inbox_sizes names actor "nosuch"'),
+    ('scheduler.harness="whtiebox"', 'unknown harness "whtiebox"'),
+    ('scheduler.harness="whitebox:S9T0O0C0W0"', "S9T0O0C0W0"),
+    ("proxy.engine.max_running_requests=0", "max_running_requests"),
+    ("proxy.engine.context_len=-5", "context_len"),
+    ("eval.ks=[]", "ks"),
+    ("sandbox.local.cpu_seconds=0", "cpu_seconds"),
+    ('sandbox.local.file_size="abc"', "file_size"),
+    ('sandbox.backend="docker"', None),  # valid: the checks below change one docker field each
+    ('sandbox.docker.user="0:0"', "non-root"),
+    ('sandbox.docker.storage="abc"', "storage"),
+    ('sandbox.docker.memory="4096g"', "more than this machine's"),
+    ("sandbox.docker.cpus=4096", "this machine has"),
+])
+def test_settings_that_would_break_a_run_are_refused(override, says):
+    sets = [override]
+    if override.startswith("sandbox.docker"):
+        sets = ['sandbox.backend="docker"', override]
+    if says is None:
+        quickstart(sets)
+        return
+    with pytest.raises(cfg.ConfigError) as e:
+        quickstart(sets)
+    assert says in str(e.value), str(e.value)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    p = tmp_path / "latin1.toml"
+    p.write_bytes('[experiment]\nname = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(cfg.ConfigError, match=r"latin1.toml: not UTF-8 text \(byte \d+ is b'\\xe9'\)"):
+        cfg.load_experiment(str(p), resolve)

@@ -211,15 +211,16 @@ def canary(tmp_path) -> tuple[Path, str]:
     return p, text
 
 
-async def run_rollout(kind: str, task: Task, run_dir: Path) -> tuple[RolloutFinished, Path]:
-    """One oracle rollout through ``kind``'s backend, kept like a run keeps it; returns it and its directory."""
+async def run_rollout(kind: str, task: Task, run_dir: Path, keep: bool = True) -> tuple[RolloutFinished, Path]:
+    """One oracle rollout through ``kind``'s backend, kept like a run keeps it; returns it and its directory (with
+    ``keep=False``: the folder the rollout folders go to, which the clean-up must leave empty)."""
     work = run_dir / "sandboxes"
     run_id = f"hostile-{uuid.uuid4().hex[:8]}"
     req = RolloutRequest(rollout_id="r1", group_id="g", index=0, group_size=1, task_id=task.id, harness="oracle",
                          token="tok", policy_version=0, timeout_s=120.0, task_path=str(task.root))
     with structlog.testing.capture_logs() as lines:
         if kind == "local":
-            backend = LocalBackend(LocalSettings(workdir=str(work), keep_workspaces=True), run_id=run_id)
+            backend = LocalBackend(LocalSettings(workdir=str(work), keep_workspaces=keep), run_id=run_id)
             await backend.start()
             try:
                 fin = await backend.run(req, task, proxy_url="http://127.0.0.1:9")
@@ -227,7 +228,7 @@ async def run_rollout(kind: str, task: Task, run_dir: Path) -> tuple[RolloutFini
                 await backend.aclose()
         else:
             sock = run_dir.parent / f"{run_id}.sock"
-            backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(work), keep_workspaces=True), run_id=run_id)
+            backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(work), keep_workspaces=keep), run_id=run_id)
             await backend.start()
             try:
                 async with running_proxy(unix_socket=str(sock)) as (proxy, _records, _token):
@@ -238,6 +239,8 @@ async def run_rollout(kind: str, task: Task, run_dir: Path) -> tuple[RolloutFini
                         LogHeader(schema_version=SCHEMA_VERSION, run_id=run_id, created=time.time())) as w:
         w.append("sandbox.finished", fin)
     (run_dir / "log.jsonl").write_text("".join(json.dumps(x, default=str) + "\n" for x in lines))
+    if not keep:
+        return fin, work
     (kept,) = work.iterdir()
     return fin, kept
 
@@ -406,3 +409,51 @@ async def test_an_honest_fix_beside_shadowing_files_still_scores_one(backend_kin
     task = with_solve(spec, tmp_path, "honest", "\n".join(lines))
     fin, _kept = await run_rollout(backend_kind, task, run_dir)
     assert (fin.status, fin.reward) == ("ok", 1.0), fin.details
+
+
+# ------------------------------------------------------------------------------------- workspace, processes
+DEEP_CHAIN = """python3 - <<'PY'
+import os
+for _ in range(2500):  # ~5,000 characters of path: past PATH_MAX, and past Python's recursion limit
+    os.mkdir("d")
+    os.chdir("d")
+open("f", "w").write("x")
+os.symlink("/", "root-link")  # the clean-up must not follow it
+PY"""
+
+
+@pytest.mark.parametrize("backend_kind", BACKENDS, indirect=True)
+async def test_a_folder_chain_thousands_deep_neither_stops_the_run_nor_stays_behind(backend_kind, tmp_path, run_dir):
+    task = with_solve(generate("create_file", 0), tmp_path, "deep", DEEP_CHAIN)
+    fin, work = await run_rollout(backend_kind, task, run_dir, keep=False)
+    assert (fin.status, fin.reward) == ("ok", 0.0), fin.details
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("backend_kind", BACKENDS, indirect=True)
+async def test_a_process_that_leaves_the_session_and_the_environment_cannot_forge_the_reward(
+        backend_kind, tmp_path, run_dir):
+    """``setsid env -i``: out of the harness's process group and without the sandbox marker, it keeps writing reward 1
+    where the verifier writes its reward. It must be dead before the verifier runs: reward 0, and nothing left."""
+    need_root_locally(backend_kind)  # PID namespaces need root; elsewhere the backend warns at start-up
+    tag = f"FORGER-{uuid.uuid4().hex}"
+    loop = (f": {tag}; end=$(($(date +%s) + 30)); while [ $(date +%s) -lt $end ]; do "
+            "for d in \"$0\"/logs/verifier /logs/verifier; do [ -d \"$d\" ] || mkdir -p \"$d\" 2>/dev/null; "
+            "for i in 1 2 3 4 5 6 7 8 9 10; do printf 1 > \"$d/reward.txt\"; done 2>/dev/null; done; done")
+    solve = f'setsid env -i sh -c {shlex.quote(loop)} "$(cd .. && pwd)" </dev/null >/dev/null 2>&1 &\nsleep 0.5'
+    task = with_solve(generate("create_file", 0), tmp_path, "forge", solve)
+    fin, _kept = await run_rollout(backend_kind, task, run_dir)
+    assert (fin.status, fin.reward) == ("ok", 0.0), fin.details
+    assert _running(tag) == []
+
+
+def _running(tag: str) -> list[str]:
+    """Processes whose command line holds ``tag``."""
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and tag.encode() in (p / "cmdline").read_bytes():
+                found.append(p.name)
+        except OSError:
+            pass
+    return found

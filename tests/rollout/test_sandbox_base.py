@@ -27,7 +27,7 @@ from pipeline.rollout.sandbox.base import (
     Verdict,
     VerifierError,
 )
-from pipeline.rollout.sandbox.util import TAIL_CHARS, parse_size, tail
+from pipeline.rollout.sandbox.util import parse_size, tail
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import Task, materialize
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.anyio
 
 EXIT0 = HarnessExit(timed_out=False, exit_code=0)
 PASS = Verdict(reward=1.0, rewards={"rule": 1.0}, summary="verifier: all passed")
-ALL = ["prepare", "launch", "wait", "logs", "release", "verify", "cleanup"]
+ALL = ["prepare", "launch", "wait", "release", "verify", "cleanup"]
 HANG = object()  # a hook scripted with this waits until cancelled
 
 
@@ -155,9 +155,9 @@ async def test_non_zero_exit_is_harness_error_and_not_verified(task):
     b = Scripted(wait=HarnessExit(timed_out=False, exit_code=3))
     fin = await run(b, task)
     assert (fin.status, fin.reward, fin.rewards, fin.exit_code) == ("harness_error", 0.0, {}, 3)
-    assert fin.details == "harness exited with 3:\nharness: done"
+    assert fin.details == "harness exited with 3 (its output is kept with [sandbox.<backend>] keep_workspaces = true)"
     assert fin.timings == timings(1, 2, 3)
-    assert b.calls == ["prepare", "launch", "wait", "logs", "release", "cleanup", "cleaned"]
+    assert b.calls == ["prepare", "launch", "wait", "release", "cleanup", "cleaned"]
 
 
 @pytest.mark.parametrize("exit_code", [-9, 0, 137])
@@ -166,7 +166,7 @@ async def test_timeout_is_scored_whatever_the_exit_code(task, exit_code):
                  verify=Verdict(reward=0.5, rewards={"rule": 0.5, "part": 1.0}, summary="half"))
     fin = await run(b, task, timeout_s=2.5)
     assert (fin.status, fin.reward, fin.rewards, fin.exit_code) == ("timeout", 0.5, {"rule": 0.5, "part": 1.0}, None)
-    assert fin.details == "harness killed after 2.5s:\nharness: done"
+    assert fin.details == "harness killed after 2.5s (its output is kept with [sandbox.<backend>] keep_workspaces = true)"
     assert fin.timings == timings(1, 2, 3, 4)
     assert b.calls == [*ALL, "cleaned"]
     assert b.timeouts == [2.5]
@@ -176,7 +176,7 @@ async def test_out_of_memory_is_harness_error_naming_the_limit(task):
     b = Scripted(wait=HarnessExit(timed_out=False, exit_code=137, out_of_memory=True))
     fin = await run(b, task)
     assert (fin.status, fin.reward, fin.exit_code) == ("harness_error", 0.0, 137)
-    assert fin.details == "the harness ran out of memory (limit 2g):\nharness: done"
+    assert fin.details == "the harness ran out of memory (limit 2g) (its output is kept with [sandbox.<backend>] keep_workspaces = true)"
     assert "verify" not in b.calls and b.calls[-2:] == ["cleanup", "cleaned"]
 
 
@@ -189,7 +189,7 @@ async def test_killed_from_outside_is_sandbox_error(task):
     b = Scripted(wait=HarnessExit(timed_out=False, exit_code=137, killed_from_outside=True))
     fin = await run(b, task)
     assert (fin.status, fin.reward, fin.exit_code) == ("sandbox_error", 0.0, 137)
-    assert fin.details == "the sandbox was killed from outside:\nharness: done"
+    assert fin.details == "the sandbox was killed from outside (its output is kept with [sandbox.<backend>] keep_workspaces = true)"
     assert fin.timings == timings(1, 2, 3)
     assert "verify" not in b.calls and b.calls[-2:] == ["cleanup", "cleaned"]
 
@@ -237,13 +237,13 @@ async def test_launch_failure_is_sandbox_error_and_still_cleaned(task):
     assert b.calls == ["prepare", "launch", "cleanup", "cleaned"]
 
 
-async def test_sandbox_gone_under_the_harness_is_sandbox_error_with_its_output(task):
+async def test_sandbox_gone_under_the_harness_is_sandbox_error_without_its_output(task):
     b = Scripted(wait=SandboxError("the container disappeared"), logs="half a line")
     fin = await run(b, task)
     assert (fin.status, fin.reward, fin.exit_code) == ("sandbox_error", 0.0, None)
-    assert fin.details == "the container disappeared\nhalf a line"
+    assert fin.details == "the container disappeared (its output is kept with [sandbox.<backend>] keep_workspaces = true)"
     assert fin.timings == timings(1, 2)
-    assert b.calls == ["prepare", "launch", "wait", "logs", "cleanup", "cleaned"]
+    assert b.calls == ["prepare", "launch", "wait", "cleanup", "cleaned"]
 
 
 @pytest.mark.parametrize(("harness", "want"), [
@@ -273,10 +273,25 @@ async def test_oracle_without_solution_is_sandbox_error_before_any_hook(tmp_path
     assert (await run(Scripted(), bare, harness="whitebox")).status == "ok"  # only the oracle needs one
 
 
-async def test_long_output_keeps_its_tail(task):
-    out = "x" * (TAIL_CHARS * 2) + "THE END"
-    fin = await run(Scripted(wait=HarnessExit(timed_out=False, exit_code=1), logs=out), task)
-    assert len(fin.details) == TAIL_CHARS + 3 and fin.details.startswith("...") and fin.details.endswith("THE END")
+@pytest.mark.parametrize("wait", [HarnessExit(timed_out=False, exit_code=1), HarnessExit(timed_out=True, exit_code=-9),
+                                  SandboxError("the container disappeared")])
+async def test_the_harness_output_never_reaches_the_details_and_is_kept_only_when_asked(task, tmp_path, wait):
+    secret = "root:x:0:0:root:/root:/bin/bash /dev/sda1 /var/lib/docker"  # what a harness may print
+    plain = await run(Scripted(wait=wait, logs=secret), task)
+    assert secret not in plain.details and "keep_workspaces = true" in plain.details
+
+    kept = Scripted(wait=wait, logs=secret)
+    kept.keep_workspaces = True
+    root = tmp_path / "bridle-run-r1-abc"
+    root.mkdir()
+
+    async def prepare(box: FakeSandbox) -> None:
+        box.root = root
+
+    kept.prepare = prepare
+    fin = await run(kept, task)
+    assert secret not in fin.details and "logs/harness.txt in the kept rollout folder bridle-run-r1-abc" in fin.details
+    assert (root / "logs" / "harness.txt").read_text() == secret
 
 
 # ----------------------------------------------------------------------------------- cancellation, cleanup

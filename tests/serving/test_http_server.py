@@ -66,12 +66,13 @@ class App:
 
 
 @contextlib.asynccontextmanager
-async def serving(max_body: int = 1000, keepalive_s: float = 75.0) -> AsyncIterator[tuple[App, HttpServer, int]]:
+async def serving(max_body: int = 1000, keepalive_s: float = 75.0, **limits: float) -> AsyncIterator[
+        tuple[App, HttpServer, int]]:
     app = App()
     server = HttpServer({("POST", "/echo"): app.echo, ("GET", "/echo"): app.echo, ("GET", "/slow"): app.slow,
                          ("GET", "/stream"): app.stream, ("GET", "/held"): app.held_stream,
                          ("GET", "/boom"): app.boom, ("HEAD", "/echo"): app.echo},
-                        max_body_bytes=max_body, keepalive_timeout_s=keepalive_s)
+                        max_body_bytes=max_body, keepalive_timeout_s=keepalive_s, **limits)
     port = await server.listen_tcp("127.0.0.1", 0)
     try:
         yield app, server, port
@@ -264,3 +265,77 @@ async def test_unix_socket(tmp_path):
         w.close()
     finally:
         await server.close()
+
+
+# ------------------------------------------------------------------------------------- what a client can hold
+async def slowloris(port: int, n: int) -> list[asyncio.StreamWriter]:
+    """``n`` connections that each start a request head and then send nothing more."""
+    writers = []
+    for _ in range(n):
+        _, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        writers.append(w)
+    return writers
+
+
+async def test_a_request_that_does_not_arrive_in_time_gets_a_408_and_its_connection_closes():
+    async with serving(request_timeout_s=0.4) as (app, server, port):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nonly part of it")
+        for _ in range(3):  # a byte now and then keeps the connection active, not the request in time
+            await asyncio.sleep(0.1)
+            w.write(b"x")
+        out = await asyncio.wait_for(r.read(), 5)
+        assert out.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 0.4s" in out
+        assert app.seen == [] and server.connections == set()
+
+
+async def test_slow_clients_over_the_connection_cap_do_not_starve_a_good_one():
+    async with serving(request_timeout_s=30.0, max_connections=50) as (_, server, port):
+        held = await slowloris(port, 300)
+        await asyncio.sleep(0.2)
+        assert len(server.connections) <= 50
+        async with aiohttp.ClientSession() as s:
+            for _ in range(20):  # each on a new connection: every one gets in and is answered
+                async with s.post(f"http://127.0.0.1:{port}/echo", data=b"{}", headers={"Connection": "close"}) as r:
+                    assert r.status == 200
+        for w in held:
+            w.close()
+
+
+async def test_a_busy_server_refuses_a_new_connection_with_a_503():
+    async with serving(max_connections=2) as (app, _, port):
+        busy = []
+        for _ in range(2):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            busy.append((r, w))
+        await asyncio.sleep(0.1)
+        assert (await raw(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 503 ")
+        app.release.set()
+        for r, w in busy:
+            assert (await asyncio.wait_for(r.read(65536), 5)).endswith(b"slow")
+            w.close()
+
+
+async def test_one_credential_holds_a_bounded_number_of_requests_and_others_are_unaffected():
+    async with serving(max_connections_per_token=3) as (app, _, port):
+        held = []
+        for _ in range(3):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer rollout-a\r\n\r\n")
+            held.append((r, w))
+        await asyncio.sleep(0.1)
+        fourth = await raw(port, b"GET /echo HTTP/1.1\r\nHost: x\r\nx-api-key: rollout-a\r\n\r\n")
+        assert fourth.startswith(b"HTTP/1.1 429 ") and b"more than 3 requests at once" in fourth
+        other = await raw(port, b"GET /echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer rollout-b\r\n"
+                                b"Connection: close\r\n\r\n")
+        assert other.startswith(b"HTTP/1.1 200 ")
+        app.release.set()
+        for r, _ in held:
+            assert (await asyncio.wait_for(r.read(65536), 5)).endswith(b"slow")
+        # answered, they hold nothing: the credential is served again
+        again = await raw(port, b"GET /echo HTTP/1.1\r\nHost: x\r\nx-api-key: rollout-a\r\nConnection: close\r\n\r\n")
+        assert again.startswith(b"HTTP/1.1 200 ")
+        for _, w in held:
+            w.close()

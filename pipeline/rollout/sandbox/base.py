@@ -35,9 +35,11 @@ The status tells the failure classes apart:
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from abc import ABC, abstractmethod
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -48,7 +50,7 @@ from pipeline.core.logs import get_logger
 from pipeline.messages import RolloutFinished, RolloutRequest, RolloutStatus, RolloutTimings
 from pipeline.rollout.harnesses import Harness, Launch, sandbox_harness
 from pipeline.rollout.judge import Judge, Judged
-from pipeline.rollout.sandbox.util import tail
+from pipeline.rollout.sandbox.util import HARNESS_OUTPUT, tail
 from pipeline.rollout.tasks import Task
 
 log = get_logger(component="sandbox")
@@ -193,11 +195,12 @@ class SandboxBackend(ABC, Generic[S]):
             try:
                 ended = await self.wait(box, limit_s)
             except SandboxError as e:
-                return finish("sandbox_error", f"{e}\n{await self.logs(box)}")
-            output = await self.logs(box)
+                await self._keep_output(box)
+                return finish("sandbox_error", f"{e}{self._output_note(box)}")
+            await self._keep_output(box)
             await self.release(box)
             t.harness_done = time.time()
-            failed = self._harness_failed(ended, output, box)
+            failed = self._harness_failed(ended, box)
             if failed is not None:
                 return finish(*failed, exit_code=ended.exit_code)
 
@@ -210,7 +213,7 @@ class SandboxBackend(ABC, Generic[S]):
                 return finish("verifier_error", str(e), exit_code=ended.exit_code)
             t.verified = time.time()
             if ended.timed_out:
-                return finish("timeout", f"harness killed after {limit_s:g}s:\n{output}",
+                return finish("timeout", f"harness killed after {limit_s:g}s{self._output_note(box)}",
                               reward=verdict.reward, rewards=verdict.rewards)
             return finish("ok", verdict.summary, reward=verdict.reward, rewards=verdict.rewards, exit_code=0)
         finally:
@@ -230,18 +233,41 @@ class SandboxBackend(ABC, Generic[S]):
         overrides this)."""
         return self.memory_limit
 
-    def _harness_failed(self, ended: HarnessExit, output: str, box: S) -> tuple[RolloutStatus, str] | None:
+    def _harness_failed(self, ended: HarnessExit, box: S) -> tuple[RolloutStatus, str] | None:
         """(status, details) when the way the harness ended leaves nothing to verify; None when the workspace is
         to be scored (it exited 0, or ran out of time)."""
+        note = self._output_note(box)
         if ended.timed_out:
             return None
         if ended.out_of_memory:
-            return "harness_error", f"the harness ran out of memory (limit {self.memory_limit_of(box)}):\n{output}"
+            return "harness_error", f"the harness ran out of memory (limit {self.memory_limit_of(box)}){note}"
         if ended.killed_from_outside:
-            return "sandbox_error", f"the sandbox was killed from outside:\n{output}"
+            return "sandbox_error", f"the sandbox was killed from outside{note}"
         if ended.exit_code != 0:
-            return "harness_error", f"harness exited with {ended.exit_code}:\n{output}"
+            return "harness_error", f"harness exited with {ended.exit_code}{note}"
         return None
+
+    # The harness's output is the sandbox's text: it never goes into RolloutFinished.details (the event log), only
+    # into the rollout's kept folder, when the run keeps them.
+    keep_workspaces: bool = False
+
+    async def _keep_output(self, box: S) -> None:
+        if not self.keep_workspaces or box.root is None:
+            return
+        out = box.root / "logs" / HARNESS_OUTPUT
+        if out.is_symlink() or out.exists():  # the local backend's harness wrote it there itself
+            return
+        text = await self.logs(box)
+        with suppress(OSError):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+
+    def _output_note(self, box: S) -> str:
+        if self.keep_workspaces and box.root is not None:
+            return f" (its output: logs/{HARNESS_OUTPUT} in the kept rollout folder {box.root.name})"
+        return " (its output is kept with [sandbox.<backend>] keep_workspaces = true)"
 
 
 def judged(req: RolloutRequest) -> bool:

@@ -70,6 +70,28 @@ class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0  # any one Docker API call
 
 
+    def problem(self, where: str) -> str:
+        """What in these settings cannot work on this machine ("" when nothing): a size that does not parse, is 0
+        or is over the machine's memory; more cores than it has; a root or malformed user."""
+        from pipeline.rollout.sandbox.hardening import parse_user
+
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        try:
+            parse_user(self.user)
+            for field in ("memory", "storage", "file_size", "tmp_size", "home_size"):
+                size = parse_size(getattr(self, field), f"{where} {field}")
+                if not size:
+                    return f"{where} {field} = {getattr(self, field)!r}: a size must be more than 0"
+                if field == "memory" and size > ram:
+                    return (f"{where} memory = {self.memory!r} is more than this machine's "
+                            f"{ram / (1 << 30):.1f} GiB")
+        except ValueError as e:
+            return str(e).replace("[sandbox.docker]", where)
+        if self.cpus > (os.cpu_count() or 1):
+            return f"{where} cpus = {self.cpus:g}: this machine has {os.cpu_count()} cores"
+        return ""
+
+
 @dataclass(frozen=True)
 class TaskImage:
     """The image a task's rollouts run in, and what bridle learned about it."""

@@ -94,6 +94,7 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
     def __init__(self, settings: DockerSettings | None = None, *, run_id: str = ""):
         super().__init__(run_id=run_id)
         self.settings = settings or DockerSettings()
+        self.keep_workspaces = self.settings.keep_workspaces
         self.memory_limit = self.settings.memory
         self.memory_bytes = parse_size(self.settings.memory, "memory")
         s = self.settings

@@ -1,9 +1,12 @@
 """The local sandbox backend: the harness as a child process of this one, in a temporary directory.
 
 The harness runs in its own session and process group under POSIX rlimits, and is killed as a group and by an
-environment marker (``BRIDLE_SANDBOX_RUN`` / ``BRIDLE_SANDBOX_ID``), so that even daemonized children die. It is
-convenient and the embedded default, but it is **no security boundary**: the harness runs as your user and can
-read your files and reach the network. The verifier runs afterwards as a process of its own
+environment marker (``BRIDLE_SANDBOX_RUN`` / ``BRIDLE_SANDBOX_ID``), so that even daemonized children die. Where
+this process may create PID namespaces (root), the harness is also the first process of a namespace of its own
+(``unshare --pid``): whatever it spawned, ``setsid`` with a cleared environment included, dies with it, before its
+verifier runs. Elsewhere a process that leaves both the session and the marker survives the rollout, and
+:meth:`LocalBackend.start` says so. It is convenient and the embedded default, but it is **no security boundary**:
+the harness runs as your user and can read your files and reach the network. The verifier runs afterwards as a process of its own
 (``pipeline/rollout/verify.py``). :meth:`LocalBackend.start` kills what a crash of this run left (its marked
 processes, its rollout directories); a hard exit kills them through :meth:`LocalBackend.emergency_stop`.
 """
@@ -22,7 +25,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import msgspec
@@ -40,6 +43,7 @@ from pipeline.rollout.sandbox.base import (
     VerifierError,
 )
 from pipeline.rollout.sandbox.util import (
+    HARNESS_OUTPUT,
     file_tail,
     parse_size,
     remove_run_dirs,
@@ -61,7 +65,7 @@ class LocalSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     workdir: str = ""  # where per-rollout directories go (default: the system temp dir)
     keep_workspaces: bool = False  # keep each rollout's directory (workspace, home, logs) for inspection
-    cpu_seconds: int | None = None  # RLIMIT_CPU per process
+    cpu_seconds: Annotated[int, msgspec.Meta(ge=1)] | None = None  # RLIMIT_CPU per process
     # RLIMIT_AS per process. Off by default: Node- and Bun-based harnesses reserve far more address space than
     # they use and fail to start under a small limit.
     memory: str | None = None
@@ -71,6 +75,18 @@ class LocalSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = "policy"
     harness_bin: str = ""  # folder with the harness executables (default: $BRIDLE_HARNESS_BIN, then PATH)
     whitebox_args: list[str] = msgspec.field(default_factory=list)  # extra white-box harness flags
+
+
+    def problem(self, where: str) -> str:
+        """What in these settings cannot work ("" when nothing): a size that does not parse or is 0."""
+        for field in ("memory", "file_size"):
+            value = getattr(self, field)
+            try:
+                if value is not None and not parse_size(value, f"{where} {field}"):
+                    return f"{where} {field} = {value!r}: a size must be more than 0"
+            except ValueError as e:
+                return str(e)
+        return ""
 
 
 # Applied between fork and exec by a tiny Python wrapper (anyio's open_process has no preexec_fn).
@@ -83,6 +99,26 @@ _RLIMIT_EXEC = (
     "try:os.execvp(sys.argv[2],sys.argv[2:])\n"
     "except OSError as e:sys.stderr.write(f'cannot run {sys.argv[2]!r}: {e}\\n');sys.exit(127)\n"
 )
+
+
+# The harness as the first process of a new PID namespace; unshare waits for it and exits with its status, and dies
+# with it (--kill-child) if unshare itself is killed.
+UNSHARE = ("unshare", "--pid", "--fork", "--kill-child")
+
+
+def _pid_namespaces_work() -> bool:
+    try:
+        return subprocess.run([*UNSHARE, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=10, check=False).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
 
 
 @dataclass(kw_only=True)
@@ -102,6 +138,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         super().__init__(run_id=run_id)
         self.settings = s = settings or LocalSettings()
         self.memory_limit = s.memory
+        self.keep_workspaces = s.keep_workspaces
         self._limits: dict[str, int] = {}
         for name, value in (
             ("RLIMIT_CPU", s.cpu_seconds),
@@ -113,6 +150,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             if value is not None:
                 self._limits[name] = int(value)
         self._live: set[str] = set()
+        self._pid_namespace = False  # start(): whether each harness gets a PID namespace of its own
         self._emergency = self.emergency_stop  # one bound method: on_emergency keys on its identity
         self._unregister: Callable[[], None] = lambda: None
 
@@ -124,6 +162,11 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         dirs += 0 if self.settings.keep_workspaces else remove_run_dirs(self.settings.workdir, self.run_id)
         if n or dirs:
             log.warning("reaped_leftovers", run=self.run_id, processes=n, workspaces=dirs)
+        self._pid_namespace = await anyio.to_thread.run_sync(_pid_namespaces_work)
+        if not self._pid_namespace:
+            log.warning("local backend: a process that leaves the harness's session with a cleared environment "
+                        "(setsid env -i) can outlive its rollout and touch the verifier's files; PID namespaces "
+                        "need root here. Use the docker backend for policies you do not trust")
         self._unregister = on_emergency(self._emergency)
 
     async def aclose(self) -> None:
@@ -163,7 +206,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         seed_workspace(task, ws)
         home.mkdir()
         logs.mkdir()
-        box.out_path = logs / "harness.txt"
+        box.out_path = logs / HARNESS_OUTPUT
         solution = ""
         if h.needs_solution:
             shutil.copytree(task.root / "solution", root / "solution")
@@ -187,6 +230,8 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         env = {"PATH": os.environ.get("PATH", os.defpath), **box.launch.env, MARKER_RUN: self.run_id,
                MARKER_ID: box.sandbox_id}
         argv = [sys.executable, "-S", "-c", _RLIMIT_EXEC, json.dumps(self._limits), *box.launch.argv]
+        if self._pid_namespace:
+            argv = [*UNSHARE, *argv]
         try:
             with box.out_path.open("wb") as out:
                 box.proc = await anyio.open_process(argv, cwd=box.root / "app", env=env, stdin=subprocess.DEVNULL,
@@ -222,7 +267,15 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             await anyio.to_thread.run_sync(rmtree, box.root)
 
     async def _kill(self, box: LocalSandbox) -> None:
-        """SIGKILL the harness's process group, then whatever left it, and reap the harness."""
+        """SIGKILL the harness's PID namespace, its process group, then whatever left it, and reap the harness."""
+        if self._pid_namespace and box.proc.returncode is None:
+            # Killing the namespace's first process makes the kernel kill every other one in it; unshare exits
+            # only once they are all gone, so waiting for it is waiting for the last of them.
+            for pid in _children(box.proc.pid):
+                with suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            with anyio.move_on_after(10):
+                await box.proc.wait()
         with suppress(ProcessLookupError, PermissionError):
             os.killpg(box.proc.pid, signal.SIGKILL)
         # Children that left the process group (setsid, daemonized servers) still carry the marker.

@@ -47,7 +47,7 @@ import anyio.abc
 import msgspec
 
 from pipeline.core.logs import get_logger
-from pipeline.core.runfiles import safe_name
+from pipeline.core.runfiles import remove_tree, safe_name
 from pipeline.core.runtime import run_main
 from pipeline.messages import RolloutFinished, RolloutRequest
 from pipeline.rollout.judge import Judge, JudgeError, take_snapshot
@@ -312,10 +312,10 @@ async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeR
         out.workspace_name = backend.root.name
         try:
             out.workspace = await anyio.to_thread.run_sync(_tar, backend.root)
-        except OSError as e:
-            log.warning("workspace_not_sent", rollout=req.rollout_id, node=node_id, error=str(e))
-        else:
-            await anyio.to_thread.run_sync(shutil.rmtree, backend.root, True)
+        except (OSError, RecursionError) as e:  # a policy's folder chain too deep for tarfile
+            log.warning("workspace_not_sent", rollout=req.rollout_id, node=node_id, error=type(e).__name__)
+        finally:
+            await anyio.to_thread.run_sync(remove_tree, backend.root)
     return out
 
 

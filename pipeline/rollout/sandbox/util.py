@@ -5,16 +5,19 @@ from __future__ import annotations
 import io
 import os
 import re
-import shutil
 import stat
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-from pipeline.core.runfiles import remove_prefixed, safe_name
+from pipeline.core.logs import get_logger
+from pipeline.core.runfiles import remove_prefixed, remove_tree, safe_name
+
+log = get_logger(part="sandbox")
 
 TAIL_CHARS = 1500  # how much of an output RolloutFinished.details keeps
+HARNESS_OUTPUT = "harness.txt"  # the harness's output, in a kept rollout folder's logs/
 
 
 def parse_size(text: str | int | None, field: str) -> int | None:
@@ -71,8 +74,9 @@ def remove_run_dirs(workdir: str, run_id: str) -> int:
 
 
 def rmtree(path: Path | None) -> None:
-    if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
+    """Remove a rollout's folder whatever the policy left in it (:func:`remove_tree`); never raises."""
+    if path is not None and not remove_tree(path):
+        log.warning("could not remove a rollout folder", path=str(path))
 
 
 def tar_files(files: dict[str, tuple[bytes, int]]) -> bytes:
