@@ -45,7 +45,9 @@ def read_body(request: Request, max_bytes: int) -> dict[str, Any]:
         # tool output, integers over 64 bits); json also words the error for the client
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        except RecursionError:
+            raise ProxyError("invalid_request", f"body is nested deeper than {MAX_BODY_DEPTH} levels") from None
+        except (ValueError, UnicodeDecodeError) as e:
             raise ProxyError("invalid_request", f"body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ProxyError("invalid_request", f"body must be a JSON object, got {type(body).__name__}")

@@ -179,7 +179,7 @@ async def test_unknown_token_gets_401_and_nothing_is_recorded():
 
 
 async def test_bad_requests_are_protocol_errors_that_say_what_is_wrong():
-    async with running_proxy(max_body_bytes=10_000) as (p, records, token), aiohttp.ClientSession() as s:
+    async with running_proxy(max_body_bytes=300_000) as (p, records, token), aiohttp.ClientSession() as s:
         h = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         r = await s.post(p.base_url + "/v1/chat/completions", data=b"{not json", headers=h)
         body = await r.json()
@@ -187,10 +187,14 @@ async def test_bad_requests_are_protocol_errors_that_say_what_is_wrong():
         assert r.headers["x-should-retry"] == "false"
         r = await s.post(p.base_url + "/v1/chat/completions", json={"messages": "hi"}, headers=h)
         assert r.status == 400 and "messages" in (await r.json())["error"]["message"]
-        r = await s.post(p.base_url + "/v1/messages", json={"messages": [{"role": "user", "content": "x" * 20000}]},
+        r = await s.post(p.base_url + "/v1/messages", json={"messages": [{"role": "user", "content": "x" * 400_000}]},
                          headers={"x-api-key": token})
         body = await r.json()
         assert r.status == 413 and body["type"] == "error" and body["error"]["type"] == "request_too_large"
+        for depth in (200, 100_000):  # orjson refuses the deeper one; json would recurse: both are a 400
+            deep = b'{"messages": [{"role": "user", "content": "x", "extra": ' + b"[" * depth + b"]" * depth + b"}]}"
+            r = await s.post(p.base_url + "/v1/chat/completions", data=deep, headers=h)
+            assert r.status == 400 and "nested deeper" in (await r.json())["error"]["message"], depth
         r = await s.get(p.base_url + "/v1/models")
         assert r.status == 200 and (await r.json())["data"][0]["id"] == "policy"
         r = await s.head(p.base_url + "/")

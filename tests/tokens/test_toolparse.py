@@ -145,3 +145,14 @@ def test_parse_render_roundtrip(calls, text, thinking):
     else:
         assert p.text == text.lstrip("\n")
     assert p.thinking == thinking.strip("\n")
+
+
+def test_a_tool_call_nested_past_any_decoder_is_an_unparsed_call_not_an_exception():
+    # A policy can write this; Python's json recurses (RecursionError) and orjson stops at 255 levels on encoding.
+    for depth in (100, 50_000):
+        args = "[" * depth + "]" * depth
+        for call in (f'{{"name": "f", "arguments": {{"a": {args}}}}}', f'{{"name": "f", "arguments": "{args}"}}'):
+            out = parse_output(f"<tool_call>\n{call}\n</tool_call>")
+            assert out.tool_calls == [] and out.malformed, (depth, out.errors)
+    ok = parse_output('<tool_call>\n{"name": "f", "arguments": {"a": [[[1]]]}}\n</tool_call>')
+    assert ok.tool_calls[0].arguments == {"a": [[[1]]]}
