@@ -2,19 +2,24 @@
 
 File layout::
 
-    b"BRDLLOG2"                      8-byte magic
-    frame(msgpack(LogHeader))
-    frame(msgpack(Event))            one frame per message, in the order they were sent
+    b"BRDLLOG3"                      8-byte magic
+    frame(msgpack(LogHeader))        sequence number 0
+    frame(msgpack(Event))            one frame per message, in the order they were sent: 1, 2, ...
     ...
 
-    frame = u32 length, u32 (length XOR 0xFFFFFFFF), u32 crc32(payload), payload     (little-endian)
+    frame = u32 length, u32 (length XOR 0xFFFFFFFF), u32 sequence number, u32 crc32(sequence number + payload),
+            payload                                                                             (little-endian)
 
 Frames are encoded straight into one growing buffer (``msgspec.Encoder.encode_into``) and written in large chunks,
 so appending costs one encode, one CRC and no syscall. A crash (even ``kill -9``) can only cut the *last* frame:
-fewer bytes than its header, or than its length says. The reader reports that and stops there, nothing before it is
-lost, and ``--resume`` truncates exactly that tail. Anything else is damage, not a crash: a length that disagrees
-with its complement (one flipped bit), a payload whose CRC is wrong, a frame that does not decode. The reader then
-raises :class:`EventLogError` naming the byte offset, and nothing is truncated or replayed past it. With
+fewer bytes than its header, or than its length says; a power loss can also leave the file's end filled with zeros.
+The reader reports either and stops there, nothing before it is lost, and ``--resume`` truncates exactly that tail.
+Anything else is damage, not a crash: a length that disagrees with its complement (one flipped bit), a payload whose
+CRC is wrong, a frame that does not decode, a sequence number that skips or repeats (a frame removed or copied), and
+a length that points past the end of the file while whole frames follow it (a cut tail is the end of the file;
+damage in the middle is not). The reader then raises :class:`EventLogError` naming the byte offset, and nothing is
+truncated or replayed past it. Logs of schema 2 (``BRDLLOG2``: the same frames without the sequence number) are read
+and continued as they are. With
 :class:`AsyncEventLog` the buffer is written by a worker thread at least every ``flush_interval`` seconds, so a
 ``kill -9`` loses at most that much.
 
@@ -36,14 +41,18 @@ from typing import Any, Self
 
 import anyio
 import msgspec
+import numpy as np
 
 from pipeline.core import legacy
 from pipeline.core.logs import get_logger
 from pipeline.messages import SCHEMA_VERSION, Event, Message
 
-MAGIC = b"BRDLLOG2"
+MAGIC = b"BRDLLOG3"
+MAGIC_V2 = b"BRDLLOG2"
 MAGIC_V1 = b"BRDLLOG1"
-_HEAD = struct.Struct("<III")  # length, ~length, crc32(payload)
+_HEAD = struct.Struct("<IIII")  # length, ~length, sequence number, crc32(sequence number + payload)
+_HEAD_V2 = struct.Struct("<III")  # length, ~length, crc32(payload)
+_SEQ = struct.Struct("<I")
 _LEN = struct.Struct("<I")  # schema-1 frames: the length alone
 _MAX_FRAME = 1 << 31
 _NOT = 0xFFFFFFFF
@@ -74,6 +83,8 @@ class EventLogWriter:
         self._chunk = chunk_bytes
         self.frames = 0
         self.bytes_written = 0
+        self.version = 3
+        self._seq = 0
         self._frame(header)
         self.flush()
 
@@ -88,6 +99,7 @@ class EventLogWriter:
         end = reader.start_offset  # then the end of the last whole frame: reading stops before a cut one
         for off, _ev in reader.iter_with_offsets():
             end = off
+        next_seq = reader.next_seq
         self = cls.__new__(cls)
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_WRONLY)
@@ -99,18 +111,31 @@ class EventLogWriter:
         self.frames = 0
         self.bytes_written = end
         self.truncated_bytes = len(reader._data) - end
+        self.version = reader.version  # a schema-2 log is continued in its own frames
+        self._seq = next_seq
         return self
 
     def _frame(self, obj: Any) -> None:
         buf = self._buf
         start = len(buf)
+        if self.version == 2:
+            head = _HEAD_V2.size
+            buf.extend(bytes(head))
+            self._enc.encode_into(obj, buf, start + head)
+            n = len(buf) - start - head
+            with memoryview(buf) as view:
+                crc = zlib.crc32(view[start + head:])
+            _HEAD_V2.pack_into(buf, start, n, n ^ _NOT, crc)
+            return
         head = _HEAD.size
         buf.extend(bytes(head))
         self._enc.encode_into(obj, buf, start + head)
         n = len(buf) - start - head
+        seq = self._seq & _NOT
+        self._seq += 1
         with memoryview(buf) as view:
-            crc = zlib.crc32(view[start + head:])
-        _HEAD.pack_into(buf, start, n, n ^ _NOT, crc)
+            crc = zlib.crc32(view[start + head:], zlib.crc32(_SEQ.pack(seq)))
+        _HEAD.pack_into(buf, start, n, n ^ _NOT, seq, crc)
 
     def append(self, src: str, msg: Message, t: float | None = None) -> None:
         self._frame(Event(t=time.time() if t is None else t, src=src, msg=msg))
@@ -233,12 +258,15 @@ class EventLogReader:
         except FileNotFoundError:
             raise EventLogError(f"{self.path}: no such event log; pass the events.msgpack of a run directory") from None
         if self._data.startswith(MAGIC):
+            self.version = 3
+        elif self._data.startswith(MAGIC_V2):
             self.version = 2
         elif self._data.startswith(MAGIC_V1):
             self.version = 1
         else:
             raise EventLogError(f"{self.path}: not a bridle event log (missing {MAGIC!r} magic)")
         self.report = ReadReport()
+        self.next_seq = 0  # v3: the sequence number the next frame must carry
         header_bytes, self._start = self._read_frame(len(MAGIC))
         if header_bytes is None:
             raise EventLogError(f"{self.path}: the header frame is cut; the log holds no events")
@@ -256,9 +284,10 @@ class EventLogReader:
     def _read_frame(self, off: int) -> tuple[memoryview | None, int]:
         """(payload, offset after it), or (None, off) when the file ends inside this frame (a cut tail).
 
-        Raises EventLogError for damage: a length that fails its check, or a payload whose CRC is wrong. The one
-        exception is the file's very last frame with a wrong CRC, which is what a torn final write looks like:
-        it is reported as a cut tail."""
+        Raises EventLogError for damage: a length that fails its check, a payload whose CRC is wrong, a sequence
+        number out of order (v3), a length past the end with whole frames after it. A cut tail is the file's end
+        inside its last frame (or a zero-filled end, what a power loss leaves); a torn final write (the very last
+        frame with a wrong CRC) is one too."""
         data = self._data
         if self.version == 1:
             if off + 4 > len(data):
@@ -268,23 +297,81 @@ class EventLogReader:
             if n >= _MAX_FRAME or end > len(data):
                 return None, off
             return memoryview(data)[off + 4 : end], end
-        head = _HEAD.size
+        fmt = _HEAD if self.version == 3 else _HEAD_V2
+        head = fmt.size
         if off + head > len(data):
-            return None, off
-        n, check, crc = _HEAD.unpack_from(data, off)
+            return self._tail(off, "its header")
+        if self.version == 3:
+            n, check, seq, crc = fmt.unpack_from(data, off)
+        else:
+            (n, check, crc), seq = fmt.unpack_from(data, off), None
         if n ^ _NOT != check:
+            if self._zeros_from(off):
+                return None, off
             raise EventLogError(f"{self.path}: frame at byte {off} is damaged (its length field fails its check); "
                                 "the log is corrupt from there on")
         end = off + head + n
         if end > len(data):
-            return None, off
+            return self._tail(off, f"its {n} bytes")
         payload = memoryview(data)[off + head : end]
-        if zlib.crc32(payload) != crc:
+        got = zlib.crc32(payload) if seq is None else zlib.crc32(payload, zlib.crc32(_SEQ.pack(seq)))
+        if got != crc:
             if end == len(data):
                 return None, off
             raise EventLogError(f"{self.path}: frame at byte {off} is damaged (checksum mismatch); the log is "
                                 "corrupt from there on")
+        if seq is not None:
+            if seq != self.next_seq and self._check_seq:
+                raise EventLogError(
+                    f"{self.path}: frame at byte {off} has sequence number {seq}, expected {self.next_seq}: "
+                    f"{'frames are missing' if seq > self.next_seq else 'a frame is repeated'} before it; the log "
+                    "is corrupt from there on")
+            self.next_seq = seq + 1
+            self._check_seq = True
         return payload, end
+
+    _check_seq = True  # False while reading from a stored offset: its first frame sets the sequence
+
+    def _zeros_from(self, off: int) -> bool:
+        tail = memoryview(self._data)[off:]
+        return len(tail) > 0 and tail.tobytes().count(0) == len(tail)
+
+    def _tail(self, off: int, what: str) -> tuple[None, int]:
+        """The file ends inside the frame at ``off`` (``what`` of it are missing): a cut tail, unless whole frames
+        follow (a damaged length in the middle, which a resume must never truncate at)."""
+        if not self._zeros_from(off):
+            later = self._next_whole_frame(off + 1)
+            if later is not None:
+                raise EventLogError(
+                    f"{self.path}: frame at byte {off} claims more than the file holds ({what}), yet a whole frame "
+                    f"follows at byte {later}: the log is damaged there, not cut; it is corrupt from there on")
+        return None, off
+
+    def _next_whole_frame(self, start: int) -> int | None:
+        """Offset of the first whole, checksum-valid frame at or after ``start``; None when there is none."""
+        data = self._data
+        fmt = _HEAD if self.version == 3 else _HEAD_V2
+        arr = np.frombuffer(data, dtype=np.uint8)
+        for r in range(4):  # every byte alignment: u32 words at offsets start + r + 4i
+            base = start + r
+            words = (len(data) - base) // 4
+            if words < 2:
+                continue
+            w = arr[base : base + 4 * words].view("<u4")
+            for i in np.flatnonzero((w[:-1] ^ w[1:]) == _NOT):
+                off = base + 4 * int(i)
+                if off + fmt.size > len(data):
+                    continue
+                fields = fmt.unpack_from(data, off)
+                end = off + fmt.size + fields[0]
+                if end > len(data):
+                    continue
+                payload = memoryview(data)[off + fmt.size : end]
+                crc = (zlib.crc32(payload, zlib.crc32(_SEQ.pack(fields[2]))) if self.version == 3
+                       else zlib.crc32(payload))
+                if crc == fields[-1]:
+                    return off
+        return None
 
     @property
     def start_offset(self) -> int:
@@ -300,6 +387,9 @@ class EventLogReader:
         dec = msgspec.msgpack.Decoder(Event)
         upgrade = self.header.schema_version < SCHEMA_VERSION
         off = self._start if start is None else start
+        self._check_seq = start is None or start == self._start
+        if start is None or start == self._start:
+            self.next_seq = 1
         size = len(self._data)
         frames = 0
         while off < size:

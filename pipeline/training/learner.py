@@ -126,6 +126,8 @@ class Learner:
         self.step = 0
         self.version = cfg.initial_version
         self._told_oversized = False
+        self.skipped_updates = 0  # optimizer updates not applied: their gradient was not finite
+        self.nonfinite_in_a_row = 0
 
     # ----------------------------------------------------------------------------------------- public API
     def train_step(self, groups: list[TreeGroup]) -> dict[str, float]:
@@ -520,12 +522,31 @@ class Learner:
         return parts
 
     def _optimizer_step(self) -> float:
+        """Clip and apply the gradients; returns their norm. A non-finite norm (a NaN or infinite loss, or an
+        overflow) is not applied: the policy, the optimizer's moments and the schedule stay as they were, so nothing
+        non-finite reaches the engine. It is counted (``skipped_updates``), and ``max_nonfinite_updates`` of them in
+        a row stop the run with :class:`NonFiniteError`. (The norm is global: under several processes every rank
+        decides the same.)"""
         acc = self.accelerator
-        grad_norm = acc.clip_grad_norm_(self.net.parameters(), self.config.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        grad_norm = float(acc.clip_grad_norm_(self.net.parameters(), self.config.max_grad_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.nonfinite_in_a_row = 0
+        else:
+            self.skipped_updates += 1
+            self.nonfinite_in_a_row += 1
+            _log().warning("non-finite gradient: update skipped", grad_norm=grad_norm, step=self.step,
+                           in_a_row=self.nonfinite_in_a_row, skipped_total=self.skipped_updates)
+            if self.nonfinite_in_a_row >= self.config.max_nonfinite_updates:
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss or gradient (step "
+                    f"{self.step}); none was applied, so the policy is the one before them. Lower the learning "
+                    "rate ([learner.train].lr, [learner.sft].lr) or max_grad_norm, or look for a setting that makes "
+                    "the loss overflow")
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return grad_norm
 
     def _finish_metrics(self, sums: dict[str, float], grad_norms: list[float], t0: float) -> dict[str, float]:
         elapsed = time.perf_counter() - t0
@@ -534,7 +555,8 @@ class Learner:
             "step": float(self.step),
             "version": float(self.version),
             "lr": float(self.scheduler.get_last_lr()[0]),
-            "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+            "grad_norm": float(np.mean([g for g in grad_norms if math.isfinite(g)] or [0.0])),
+            "skipped_updates": float(sum(1 for g in grad_norms if not math.isfinite(g))),
             "tokens": sums.get("tokens", 0.0),
             "trainable_tokens": sums.get("trainable_tokens", 0.0),
             "tokens_per_s": sums.get("tokens", 0.0) / elapsed if elapsed > 0 else 0.0,
@@ -560,6 +582,10 @@ class Learner:
             if key in sums:
                 m[key] = sums[key]
         return m
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer updates in a row had a non-finite gradient (see Learner._optimizer_step)."""
 
 
 def _checkpointing(policy: nn.Module, on: bool) -> None:

@@ -20,6 +20,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     betas: tuple[Annotated[float, msgspec.Meta(ge=0, lt=1)], Annotated[float, msgspec.Meta(ge=0, lt=1)]] = (0.9, 0.999)
     adam_eps: PosFloat = 1e-8
     max_grad_norm: PosFloat = 1.0
+    # updates with a non-finite gradient in a row (each skipped, the policy left as it was) that stop the run
+    max_nonfinite_updates: PosInt = 3
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: NonNegInt = 0  # optimizer steps of linear warm-up
     # Optimizer steps the linear/cosine decay spans. 0 in an experiment: [run].steps x epochs x minibatches (the

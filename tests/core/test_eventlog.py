@@ -2,6 +2,7 @@
 
 import random
 import struct
+import zlib
 
 import anyio
 import msgspec
@@ -11,6 +12,7 @@ from pipeline.cli.launch import summary_text
 from pipeline.core.eventlog import (
     MAGIC,
     MAGIC_V1,
+    MAGIC_V2,
     AsyncEventLog,
     EventLogError,
     EventLogReader,
@@ -31,7 +33,7 @@ from pipeline.messages import (
     pack_i32,
 )
 
-HEAD = 12  # u32 length, u32 ~length, u32 crc32
+HEAD = 16  # u32 length, u32 ~length, u32 sequence number, u32 crc32
 
 
 def header(**kw):
@@ -161,8 +163,8 @@ def test_random_overwrites_never_replay_silently(tmp_path):
 def test_garbage_header_is_a_clear_error(tmp_path):
     p = tmp_path / "events.msgpack"
     body = b"\xc1\xc1\xc1"
-    p.write_bytes(MAGIC + struct.pack("<III", len(body), len(body) ^ 0xFFFFFFFF, __import__("zlib").crc32(body))
-                  + body)
+    crc = zlib.crc32(body, zlib.crc32(struct.pack("<I", 0)))
+    p.write_bytes(MAGIC + struct.pack("<IIII", len(body), len(body) ^ 0xFFFFFFFF, 0, crc) + body)
     with pytest.raises(EventLogError, match="header frame does not decode"):
         EventLogReader(p)
 
@@ -258,3 +260,75 @@ def test_reopen_truncates_a_cut_frame_and_appends(tmp_path):
     r = EventLogReader(p)
     assert [e.msg.seq for e in r] == [*range(9), *range(10, 15)]
     assert r.report.truncated_at is None and r.header.run_id == "run-1"
+
+
+# ------------------------------------------------------------------------------ gaps, crafted lengths, zeros
+def _events(p):
+    return [ev.msg for ev in EventLogReader(p)]
+
+
+def test_a_frame_removed_or_repeated_in_the_middle_is_named(tmp_path):
+    p = tmp_path / "events.msgpack"
+    write(p, [Note(seq=i, value=0.0) for i in range(10)])
+    data = p.read_bytes()
+    fr = frames(data)
+    off, n = fr[4]  # an event frame in the middle
+    cut = data[:off] + data[off + HEAD + n:]
+    p.write_bytes(cut)
+    with pytest.raises(EventLogError, match=rf"frame at byte {off} has sequence number 5, expected 4: frames are "
+                                            "missing"):
+        _events(p)
+    with pytest.raises(EventLogError):
+        EventLogWriter.reopen(p)
+    p.write_bytes(data[:off + HEAD + n] + data[off:])  # the same frame twice
+    with pytest.raises(EventLogError, match="a frame is repeated"):
+        _events(p)
+
+
+def test_a_length_pointing_past_the_end_with_frames_after_it_is_damage_not_a_cut_tail(tmp_path):
+    p = tmp_path / "events.msgpack"
+    write(p, [Note(seq=i, value=0.0) for i in range(200)])
+    data = bytearray(p.read_bytes())
+    size = len(data)
+    off, _n = frames(bytes(data))[50]
+    big = size  # past the end, with a consistent complement: only what follows tells it from a cut
+    struct.pack_into("<II", data, off, big, big ^ 0xFFFFFFFF)
+    p.write_bytes(bytes(data))
+    with pytest.raises(EventLogError, match=rf"frame at byte {off} claims more than the file holds .* a whole frame "
+                                            "follows"):
+        _events(p)
+    with pytest.raises(EventLogError):
+        EventLogWriter.reopen(p)  # resume refuses: nothing is truncated
+    assert p.stat().st_size == size
+
+
+def test_a_zero_filled_tail_is_a_cut_tail_that_resume_truncates(tmp_path):
+    p = tmp_path / "events.msgpack"
+    msgs = [Note(seq=i, value=0.0) for i in range(30)]
+    write(p, msgs)
+    whole = p.stat().st_size
+    with p.open("ab") as f:
+        f.write(bytes(8192))  # what a power loss leaves: the file's length grew, its blocks did not
+    r = EventLogReader(p)
+    assert [ev.msg for ev in r] == msgs and r.report.truncated_at == whole
+    w = EventLogWriter.reopen(p)
+    w.append("src.out", Note(seq=99, value=1.0))
+    w.close()
+    assert _events(p) == [*msgs, Note(seq=99, value=1.0)]
+
+
+def test_a_schema_2_log_is_read_and_continued_in_its_own_frames(tmp_path):
+    p = tmp_path / "events.msgpack"
+    enc = msgspec.msgpack.Encoder()
+
+    def frame(obj):
+        body = enc.encode(obj)
+        return struct.pack("<III", len(body), len(body) ^ 0xFFFFFFFF, zlib.crc32(body)) + body
+
+    msgs = [Note(seq=i, value=0.0) for i in range(5)]
+    p.write_bytes(MAGIC_V2 + frame(header()) + b"".join(frame(Event(t=0.0, src="a.b", msg=m)) for m in msgs))
+    assert _events(p) == msgs
+    w = EventLogWriter.reopen(p)
+    w.append("a.b", Note(seq=5, value=0.0))
+    w.close()
+    assert p.read_bytes().startswith(MAGIC_V2) and _events(p) == [*msgs, Note(seq=5, value=0.0)]

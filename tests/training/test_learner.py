@@ -447,3 +447,26 @@ def test_a_checkpoint_appears_whole_and_a_cut_one_is_never_resumed(tmp_path, mon
     res = find_resume(tmp_path)
     assert res.checkpoint == ckpts / "step00001" and res.steps_done == 1
     assert not (ckpts / "step00002.tmp").exists()  # the cut one is cleared away
+
+
+def test_a_non_finite_gradient_is_never_applied_and_enough_in_a_row_stop_the_run():
+    from pipeline.training.learner import NonFiniteError
+
+    lrn = _learner(tiny_qwen3(7), entropy_coef=float("nan"), max_nonfinite_updates=2)
+    before = {k: v.clone() for k, v in lrn.policy_state().items()}
+    groups = _random_groups(3)
+    m = lrn.train_step(groups)
+    assert m["skipped_updates"] == 1 and lrn.skipped_updates == 1
+    assert all(torch.equal(before[k], v) for k, v in lrn.policy_state().items())  # nothing reached the weights
+    with pytest.raises(NonFiniteError, match="2 updates in a row had a non-finite loss or gradient"):
+        lrn.train_step(groups)
+    assert all(torch.equal(before[k], v) for k, v in lrn.policy_state().items())
+    # a finite update in between resets the count
+    ok = _learner(tiny_qwen3(7), max_nonfinite_updates=2)
+    ok.config.entropy_coef = float("nan")
+    ok.train_step(groups)
+    ok.config.entropy_coef = 0.0
+    assert ok.train_step(groups)["skipped_updates"] == 0 and ok.nonfinite_in_a_row == 0
+    ok.config.entropy_coef = float("nan")
+    ok.train_step(groups)
+    assert ok.nonfinite_in_a_row == 1
