@@ -46,6 +46,19 @@ from pipeline.training.policy import load_policy
 from pipeline.training.ranks import InProcess, Ranks, start_ranks
 
 
+class Announcement(msgspec.Struct):
+    """What an RL step announces (its metrics row and update record), kept in its checkpoint."""
+
+    metrics: dict[str, float]
+    warnings: list[str]
+    batch_hash: str
+    groups: list[str]
+
+
+def _floats(values: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+
+
 class LearnerSettings(Section):
     """``[learner]``. The policy's folder, steps and groups per step are in ``[run]``."""
 
@@ -158,9 +171,9 @@ class LearnerActor(Actor[LearnerSettings]):
             # at once (an update that trains nothing: empty batch hash). Groups of unfinished steps are re-issued.
             loop = LearnerLoop.resumed(run.steps, run.groups_per_step, c.checkpoint_every, self.resume.steps_done)
             await learner.init(str(self.model_dir), c.rl_stage(run))
-            await learner.load_checkpoint(self.resume.checkpoint)
+            extra = await learner.load_checkpoint(self.resume.checkpoint)
             self.log.info("resumed", checkpoint=str(self.resume.checkpoint), steps_done=loop.steps_done)
-            await self._publish(loop.steps_done, {}, None)
+            await self._announce_resumed(loop.steps_done, extra.get("announce"))
         else:
             loop = LearnerLoop(run.steps, run.groups_per_step, c.checkpoint_every)
             # Weights load now, while the first rollouts run (ranks load their own); the optimizer is chosen by
@@ -236,7 +249,8 @@ class LearnerActor(Actor[LearnerSettings]):
         warnings = [warning] if warning is not None else []
         if not ready.batch:
             if ready.checkpoint:
-                await self._checkpoint(ready.step)
+                await self._checkpoint(ready.step, Announcement(_floats(health.values()), warnings, packed_hash([]),
+                                                                []))
             # the step happened: it is in metrics.jsonl with its counts, and nothing trained (no reward, no loss)
             await self._metric(ready.step, health.values(), phase="rl", warnings=warnings)
             await self.send("updates", PolicyUpdated(version=self.learner.version, step=ready.step,
@@ -248,7 +262,8 @@ class LearnerActor(Actor[LearnerSettings]):
         m.update({"reward": float(np.mean(rewards)), "pass_rate": float(np.mean([r >= 1.0 for r in rewards])),
                   **health.values()})
         if ready.checkpoint:
-            await self._checkpoint(ready.step)
+            await self._checkpoint(ready.step, Announcement(_floats(m), warnings, packed_hash(ready.batch),
+                                                            [g.group_id for g in ready.batch]))
         await self._metric(ready.step, m, phase="rl", warnings=warnings)
         await self._publish(ready.step, m, ready.batch)
         await self._keep_final(ready.step)
@@ -263,16 +278,32 @@ class LearnerActor(Actor[LearnerSettings]):
         await self._write_weights(path)
         self.log.info("final policy written", path=str(path), version=self.learner.version)
 
+    async def _announce_resumed(self, step: int, saved: dict[str, Any] | None) -> None:
+        """After a resume: the engine gets the checkpoint's weights. When a kill came between the checkpoint of
+        ``step`` and its announcement, the event log lacks the step's metrics row and update record; they are
+        written now from what the checkpoint saved (its ``announce``), so the log, ``metrics.jsonl`` and the
+        checkpoints agree. Otherwise the weights are announced as an update that trained nothing."""
+        assert self.resume is not None
+        if saved is None or self.resume.announced or step == 0:
+            await self._publish(step, {}, None)
+            return
+        a = msgspec.convert(saved, Announcement)
+        self.log.warning("the last checkpoint's step was never announced (killed in between): its metrics row and "
+                         "update record are written now", step=step)
+        if not self.resume.metrics_recorded:
+            await self._metric(step, a.metrics, phase="rl", warnings=a.warnings)
+        await self._publish(step, a.metrics, None, recorded=(a.batch_hash, a.groups))
+
     async def _publish(self, step: int, metrics: dict[str, Any], batch: list[TreeGroup] | None, *,
-                       save: bool = False) -> Path | None:
+                       save: bool = False, recorded: tuple[str, list[str]] | None = None) -> Path | None:
         """Push the weights to the engine workers (weight sync without the disk), or save them, and announce them;
         ``batch``: what this update trained on (None: no update, a resume); ``save``: write them in any case.
         Returns the folder written, None when pushed."""
         assert self.run_dir is not None
         version = self.learner.version
+        batch_hash, groups = recorded or ("" if batch is None else packed_hash(batch), [g.group_id for g in batch or []])
         announce = partial(
-            PolicyUpdated, version=version, step=step,
-            batch_hash="" if batch is None else packed_hash(batch), groups=[g.group_id for g in batch or []],
+            PolicyUpdated, version=version, step=step, batch_hash=batch_hash, groups=groups,
             metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
         if self.pusher is not None and not save and await self._push(version, step):
             await self.send("updates", announce(pushed=True))
@@ -351,10 +382,15 @@ class LearnerActor(Actor[LearnerSettings]):
         for d in dirs[: max(0, len(dirs) - self.config.keep_weights)]:
             shutil.rmtree(d, ignore_errors=True)
 
-    async def _checkpoint(self, step: int) -> None:
+    async def _checkpoint(self, step: int, announce: Announcement | None = None) -> None:
+        """Save the learner; ``announce``: what the step is about to announce, so a resume after a kill before the
+        announcement can still write it (:meth:`_announce_resumed`)."""
         assert self.run_dir is not None
         path = self.run_dir / "checkpoints" / f"step{step:05d}"
-        await self.learner.save_checkpoint(path, {"steps_done": step})
+        extra: dict[str, Any] = {"steps_done": step}
+        if announce is not None:
+            extra["announce"] = msgspec.to_builtins(announce)
+        await self.learner.save_checkpoint(path, extra)
         self.log.info("checkpoint saved", path=str(path))
 
     async def _metric(self, step: int, values: dict[str, Any], phase: str,

@@ -23,7 +23,7 @@ from pipeline.core import logs
 from pipeline.core.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
 from pipeline.core.runfiles import run_tag
 from pipeline.core.runtime import Graph, Interrupted, Resolver, Resume, Supervisor, event_loop_name
-from pipeline.messages import SCHEMA_VERSION, ConfigChanged
+from pipeline.messages import SCHEMA_VERSION, ConfigChanged, Metric, PolicyUpdated
 
 
 @dataclass
@@ -152,6 +152,7 @@ async def resume_experiment(exp: cfg.Experiment, resolve: Resolver, rd: RunDir, 
     res = find_resume(rd.path)
     await build_model(exp)
     writer = EventLogWriter.reopen(rd.events)
+    res.announced, res.metrics_recorded = await anyio.to_thread.run_sync(step_recorded, rd.events, res.steps_done)
     log = AsyncEventLog(writer)
     logs.get_logger(actor="run").info("resuming", run_dir=str(rd.path), checkpoint=str(res.checkpoint),
                                       steps_done=res.steps_done, truncated_bytes=writer.truncated_bytes)
@@ -162,6 +163,18 @@ async def resume_experiment(exp: cfg.Experiment, resolve: Resolver, rd: RunDir, 
     finally:
         log.close()
     return sup
+
+
+def step_recorded(log_path: Path, step: int) -> tuple[bool, bool]:
+    """Whether the log holds RL step ``step``'s update record (PolicyUpdated) and its metrics row."""
+    update = row = False
+    for ev in EventLogReader(log_path):
+        m = ev.msg
+        if isinstance(m, PolicyUpdated) and m.step == step:
+            update = True
+        elif isinstance(m, Metric) and m.kind == "rl_step" and m.step == step:
+            row = True
+    return update, row
 
 
 def recorded_experiment(log_path: Path, resolve: Resolver, overrides: list[str] | None = None) -> cfg.Experiment:
@@ -198,7 +211,7 @@ def resolve_stage(exp: cfg.Experiment, names: list[str]) -> set[str]:
 
 def compare_replay(original: Path, replayed: Path) -> dict[str, Any]:
     """Do the replay's trees / batches equal the recorded ones? (hashes of packed arrays, in order)"""
-    from pipeline.messages import PolicyUpdated, TreeGroup, packed_hash
+    from pipeline.messages import TreeGroup, packed_hash
 
     def collect(path: Path) -> tuple[dict[str, str], list[tuple[int, str]]]:
         trees, updates = {}, []

@@ -81,6 +81,10 @@ class Resume:
     checkpoint: Path
     steps_done: int
     attempt: int = 1  # 1 for the first resume of a run, 2 for the second, ...: re-issued work gets new ids
+    # Whether the event log holds the update record of the checkpoint's step (False: killed between the checkpoint
+    # and the announcement; the learner writes it from the checkpoint)
+    announced: bool = True
+    metrics_recorded: bool = True  # and its metrics row
 
 
 @dataclass
