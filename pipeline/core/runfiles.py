@@ -61,6 +61,15 @@ def remove_tree(path: str | Path) -> bool:
     return not os.path.lexists(p)
 
 
+def strip_setid(path: str | Path) -> None:
+    """Clear the setuid and setgid bits of everything under ``path`` (links are not followed): a kept rollout folder
+    is the sandbox's work, and a setuid binary in it would run as its owner for whoever starts it. Never raises."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["chmod", "-R", "u-s,g-s", "--", str(path)], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600, check=False)
+
+
 def remove_prefixed(parent: str | Path, prefix: str) -> list[Path]:
     """Remove every entry of ``parent`` whose name starts with ``prefix``; return what was there. A missing
     ``parent`` holds nothing; what cannot be removed (another user's files) stays, silently."""

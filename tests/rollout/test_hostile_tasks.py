@@ -457,3 +457,13 @@ def _running(tag: str) -> list[str]:
         except OSError:
             pass
     return found
+
+
+@pytest.mark.parametrize("backend_kind", BACKENDS, indirect=True)
+async def test_a_kept_workspace_holds_no_setuid_or_setgid_file(backend_kind, tmp_path, run_dir):
+    solve = "cp /bin/sh ./sh-suid && chmod 6755 ./sh-suid && mkdir d && chmod 2775 d && cp /bin/sh d/x && chmod 4755 d/x"
+    task = with_solve(generate("create_file", 0), tmp_path, "suid", solve)
+    fin, kept = await run_rollout(backend_kind, task, run_dir)
+    assert fin.status == "ok", fin.details
+    found = [p for p in kept.rglob("*") if not p.is_symlink() and p.lstat().st_mode & 0o6000]
+    assert (kept / "app" / "sh-suid").exists() and found == []

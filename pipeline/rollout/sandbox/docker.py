@@ -33,6 +33,7 @@ import aiohttp
 import anyio
 
 from pipeline.core.logs import get_logger
+from pipeline.core.runfiles import strip_setid
 from pipeline.core.runtime import on_emergency
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.harnesses import BASE_IMAGE, FORWARDER, PAYLOAD_MOUNT, LaunchContext
@@ -331,6 +332,8 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
             if os.geteuid() != 0:
                 await self._chown_back(box.root, self._labels(box.req, "cleanup"))
             await anyio.to_thread.run_sync(rmtree, box.root)
+        elif box.root is not None:
+            await anyio.to_thread.run_sync(strip_setid, box.root)
 
     async def _chown_back(self, root: Path, labels: dict[str, str]) -> None:
         """Files the verifier's root wrote are root-owned on the host; hand them back so they can be removed."""

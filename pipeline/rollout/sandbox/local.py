@@ -45,9 +45,9 @@ from pipeline.rollout.sandbox.base import (
 from pipeline.rollout.sandbox.util import (
     HARNESS_OUTPUT,
     file_tail,
+    keep_or_remove,
     parse_size,
     remove_run_dirs,
-    rmtree,
     rollout_dir,
     run_prefix,
 )
@@ -263,8 +263,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         if box.proc is not None and box.proc.returncode is None:
             await self._kill(box)
         self._live.discard(box.sandbox_id)
-        if not self.settings.keep_workspaces:
-            await anyio.to_thread.run_sync(rmtree, box.root)
+        await anyio.to_thread.run_sync(keep_or_remove, box.root, self.settings.keep_workspaces)
 
     async def _kill(self, box: LocalSandbox) -> None:
         """SIGKILL the harness's PID namespace, its process group, then whatever left it, and reap the harness."""

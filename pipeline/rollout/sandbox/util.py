@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from pipeline.core.logs import get_logger
-from pipeline.core.runfiles import remove_prefixed, remove_tree, safe_name
+from pipeline.core.runfiles import remove_prefixed, remove_tree, safe_name, strip_setid
 
 log = get_logger(part="sandbox")
 
@@ -71,6 +71,16 @@ def rollout_dir(workdir: str, run_id: str, rollout_id: str) -> Path:
 def remove_run_dirs(workdir: str, run_id: str) -> int:
     """Remove every rollout directory of ``run_id`` under ``workdir`` (default: the system temp dir)."""
     return len(remove_prefixed(workdir or tempfile.gettempdir(), run_prefix(run_id)))
+
+
+def keep_or_remove(path: Path | None, keep: bool) -> None:
+    """The end of a rollout's folder: kept (``keep_workspaces``) without setuid or setgid bits, else removed."""
+    if path is None:
+        return
+    if keep:
+        strip_setid(path)
+    else:
+        rmtree(path)
 
 
 def rmtree(path: Path | None) -> None:
