@@ -138,7 +138,7 @@ def find_resume(run_dir: Path) -> Resume:
     for cut in (run_dir / "checkpoints").glob("step*.tmp"):
         shutil.rmtree(cut, ignore_errors=True)
     if not ckpts:
-        raise cfg.ConfigError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+        raise NoCheckpoint(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
     last = ckpts[-1]
     count = run_dir / RESUMES_FILE
     attempt = json.loads(count.read_text())["resumes"] + 1 if count.is_file() else 1
@@ -146,10 +146,32 @@ def find_resume(run_dir: Path) -> Resume:
     return Resume(checkpoint=last, steps_done=int(last.name.removeprefix("step")), attempt=attempt)
 
 
+class NoCheckpoint(cfg.ConfigError):
+    """The run folder holds no complete learner checkpoint."""
+
+
+STARTS_DIR = "killed-starts"  # what a start killed before its first checkpoint wrote, set aside by --resume
+
+
 async def resume_experiment(exp: cfg.Experiment, resolve: Resolver, rd: RunDir, *, config_path: Path | None = None,
                             handle_signals: bool = True) -> Supervisor:
-    """Continue a run from its last checkpoint, appending to its event log."""
-    res = find_resume(rd.path)
+    """Continue a run from its last checkpoint, appending to its event log. A run killed before its first
+    checkpoint (during the cold start) starts over in its folder: what the killed start wrote is set aside, its
+    tasks are kept, and each actor removes what it left outside the folder (the run's tag is the same)."""
+    if not rd.events.is_file():
+        raise cfg.ConfigError(f"--resume {rd.path}: no run there (no events.msgpack)")
+    try:
+        res = find_resume(rd.path)
+    except NoCheckpoint:
+        aside = rd.path / STARTS_DIR / time.strftime("%Y%m%d-%H%M%S")
+        aside.mkdir(parents=True)
+        for name in ("events.msgpack", "metrics.jsonl", "plots.png"):
+            if (rd.path / name).exists():
+                (rd.path / name).replace(aside / name)
+        logs.get_logger(actor="run").warning(
+            "no checkpoint: the run was killed before its first RL step was saved; it starts over in its folder",
+            set_aside=str(aside))
+        return await run_experiment(exp, resolve, rd, config_path=config_path, handle_signals=handle_signals)
     await build_model(exp)
     writer = EventLogWriter.reopen(rd.events)
     res.announced, res.metrics_recorded = await anyio.to_thread.run_sync(step_recorded, rd.events, res.steps_done)

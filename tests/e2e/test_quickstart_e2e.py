@@ -185,6 +185,48 @@ def test_kill_9_then_resume_keeps_the_policy_and_neither_repeats_nor_skips_a_ste
     assert r_after >= r_before - 2 * 0.5 * (1 / 12 + 1 / 18) ** 0.5, (before, after)
 
 
+def test_a_run_killed_during_its_cold_start_resumes_by_starting_over(tmp_path):
+    """kill -9 during SFT (no checkpoint yet): --resume starts the run over in its folder, sets aside what the
+    killed start wrote, and leaves nothing of either start behind."""
+    import os
+    import signal
+    import time
+
+    from tests.helpers.leftovers import leftovers_of
+
+    run_dir = tmp_path / "run"
+    sets = [f'run.model="{tmp_path / "model"}"', "experiment.build_model.tasks=60", "scheduler.sft_groups=16",
+            "tree.sft_pack=8", "learner.sft_epochs=30", "run.steps=1", "scheduler.group_size=2",
+            "run.groups_per_step=1", "scheduler.tasks.count=4", 'monitor.display="off"']
+    args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
+    for s in sets:
+        args += ["--set", s]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and '"sft_update"' in metrics.read_text()):
+            assert proc.poll() is None, "the run ended before its cold start"
+            assert time.monotonic() - t0 < 600, "no SFT update within 10 minutes"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not list(run_dir.glob("checkpoints/step*"))
+    sets[4] = "learner.sft_epochs=1"  # the second start need not be long
+    resumed = ["--resume", str(run_dir)]
+    for s in sets:
+        resumed += ["--set", s]
+    r = run(*resumed)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (aside,) = (run_dir / "killed-starts").iterdir()
+    assert (aside / "events.msgpack").is_file()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in rows if m["kind"] == "rl_step"] == [1]
+    assert leftovers_of(run_dir) == {}
+
+
 def forget_step(run_dir: Path, step: int) -> None:
     """The run folder as a kill between RL step ``step``'s checkpoint and its announcement leaves it: the event log
     and metrics.jsonl without the step's update record and metrics row (the log is rewritten frame by frame)."""
