@@ -66,3 +66,11 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if m.get("kind") == "rl_step"]
     assert [m["zero_var_frac"] for m in steps] == [1.0, 1.0] and all(m["warnings"] for m in steps)
+
+    # the offline SFT probe reads these demonstrations and trains a fresh policy on them (benchmarks/sft_probe.py)
+    probe = subprocess.run([sys.executable, "benchmarks/sft_probe.py", "--log", str(run_dir / "events.msgpack"),
+                            "--train", "2", "--heldout", "2", "--pack", "2", "--steps", "2", "--eval-every", "2",
+                            "--tail", "256"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert "| step | SFT loss | content | greedy | p_exact | minutes |" in probe.stdout
+    assert next(ln for ln in probe.stdout.splitlines() if ln.startswith("| 2 |")), probe.stdout
