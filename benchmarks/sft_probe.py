@@ -2,6 +2,7 @@
 """Can a policy shape learn a black-box harness's demonstrations? An offline SFT probe, minutes instead of a run.
 
     python benchmarks/sft_probe.py --log RUN/events.msgpack [--hidden 128 --layers 2] [--tail 768] [--steps 240]
+    python benchmarks/sft_probe.py --log RUN/events.msgpack --weights RUN2/weights/v00240   # measure a policy
 
 It reads the cold-start demonstrations a run recorded through a harness (``collector.settled``, purpose ``sft``),
 packs them as the tree builder does, trains a freshly built model of the given shape with the learner's own SFT
@@ -111,6 +112,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--tail", type=int, default=0, help="keep only the last N prompt tokens (0: all)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--weights", type=Path, help="measure this policy folder (a run's weights/vNNNNN) instead of "
+                    "training one; its vocabulary must be the run's")
     a = ap.parse_args()
 
     reader = EventLogReader(a.log)
@@ -125,6 +128,13 @@ def main() -> None:
     packs = [compact(pack_demonstrations(demos[i:i + a.pack], f"p{i}"), table)
              for i in range(0, a.train, a.pack)]
     held = HeldOut(compact(pack_demonstrations(demos[-a.heldout:], "held"), table), table)
+    if a.weights is not None:
+        from transformers import AutoModelForCausalLM
+
+        m = held.measure(AutoModelForCausalLM.from_pretrained(a.weights))
+        print(f"{a.weights} on the last {a.heldout} demonstrations of {a.log}: content {m['content']:.3f}, greedy "
+              f"{m['greedy']:.3f}, p_exact {m['p_exact']:.3f}")
+        return
     torch.manual_seed(a.seed)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
