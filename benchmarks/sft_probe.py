@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from pipeline.core.eventlog import EventLogReader
+from pipeline.core.logs import configure
 from pipeline.messages import SettledRollout, TreeGroup, ids, pack_i32
 from pipeline.models.small import VocabTable, create_small_model, load_vocab_table
 from pipeline.tokens.render import qwen3_renderer
@@ -115,6 +116,7 @@ def main() -> None:
     ap.add_argument("--weights", type=Path, help="measure this policy folder (a run's weights/vNNNNN) instead of "
                     "training one; its vocabulary must be the run's")
     a = ap.parse_args()
+    configure(level="warning")  # the tree builder's and learner's per-item lines would bury the table
 
     reader = EventLogReader(a.log)
     model_dir = a.model_dir or Path(reader.header.config["run"]["model"])
