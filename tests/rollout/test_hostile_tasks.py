@@ -32,6 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 import structlog
@@ -44,6 +45,7 @@ from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import Task, TaskSpec, materialize
 from tests.helpers.ci import require
 from tests.helpers.docker import OFFLINE
+from tests.helpers.poll import until
 from tests.helpers.proxyutil import running_proxy
 
 pytestmark = pytest.mark.anyio
@@ -467,3 +469,66 @@ async def test_a_kept_workspace_holds_no_setuid_or_setgid_file(backend_kind, tmp
     assert fin.status == "ok", fin.details
     found = [p for p in kept.rglob("*") if not p.is_symlink() and p.lstat().st_mode & 0o6000]
     assert (kept / "app" / "sh-suid").exists() and found == []
+
+
+SLOWLORIS = """python3 - <<'PY'
+import socket, time
+held = []
+for _ in range(300):  # through the sandbox's forwarder to the proxy's socket
+    try:
+        s = socket.create_connection(("127.0.0.1", 8080), timeout=2)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\\r\\nHost: x\\r\\n")
+        held.append(s)
+    except OSError:
+        pass
+end = time.time() + 12
+while time.time() < end:  # a byte a second on every connection still open
+    for s in list(held):
+        try:
+            s.sendall(b"X")
+        except OSError:
+            held.remove(s)
+    time.sleep(1)
+PY"""
+
+
+@pytest.mark.docker
+async def test_a_slowloris_from_inside_a_docker_sandbox_does_not_starve_a_good_client(images, tmp_path):
+    import aiohttp
+
+    sock = tmp_path / "proxy.sock"
+    task = with_solve(generate("create_file", 0), tmp_path, "slowloris", SLOWLORIS)
+    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work")), run_id="slowloris")
+    await backend.start()
+    req = RolloutRequest(rollout_id="bad", group_id="g", index=0, group_size=1, task_id=task.id, harness="oracle",
+                         token="bad-token", policy_version=0, timeout_s=120.0, task_path=str(task.root))
+    answered: list[int] = []
+    finished: list[RolloutFinished] = []
+    async with (running_proxy(unix_socket=str(sock), request_timeout_s=3.0, max_connections=64) as (proxy, _, token),
+                anyio.create_task_group() as tg):
+
+        async def hostile() -> None:
+            finished.append(await backend.run(req, task, proxy_url=proxy.base_url, proxy_socket=str(sock)))
+
+        tg.start_soon(hostile)
+        await until(lambda: len(proxy.server.connections) >= 50, timeout_s=60)  # the attack is on
+        peak = [0]
+
+        async def watch() -> None:
+            while not finished:  # until the hostile rollout ended
+                peak[0] = max(peak[0], len(proxy.server.connections))
+                await anyio.sleep(0.02)
+
+        tg.start_soon(watch)
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as s:
+            for _ in range(10):
+                with anyio.fail_after(10):
+                    async with s.post("http://proxy/v1/chat/completions",
+                                      headers={"Authorization": f"Bearer {token}", "Connection": "close"},
+                                      json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+                                      ) as r:
+                        answered.append(r.status)
+    await backend.aclose()
+    assert answered == [200] * 10
+    assert 50 <= peak[0] <= 64  # the 300 the sandbox opened were held to the cap
+    assert finished and finished[0].status == "ok", finished
