@@ -115,6 +115,9 @@ class SandboxBackend(ABC, Generic[S]):
     cleanup_timeout_s: float = CLEANUP_TIMEOUT_S
     memory_limit: str | None = None  # the harness's memory limit as configured, for the out-of-memory message
     judge: Judge | None = None  # the rubric judge, when configured (its owner closes it)
+    # Rollout folders are kept: the harness's output (the sandbox's text, which never goes into
+    # RolloutFinished.details nor the event log) is kept in them as logs/harness.txt
+    keep_workspaces: bool = False
 
     def __init__(self, *, run_id: str = ""):
         self.run_id = run_id or uuid.uuid4().hex[:12]
@@ -246,10 +249,6 @@ class SandboxBackend(ABC, Generic[S]):
         if ended.exit_code != 0:
             return "harness_error", f"harness exited with {ended.exit_code}{note}"
         return None
-
-    # The harness's output is the sandbox's text: it never goes into RolloutFinished.details (the event log), only
-    # into the rollout's kept folder, when the run keeps them.
-    keep_workspaces: bool = False
 
     async def _keep_output(self, box: S) -> None:
         if not self.keep_workspaces or box.root is None:
