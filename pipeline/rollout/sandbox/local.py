@@ -6,9 +6,10 @@ this process may create PID namespaces (root), the harness is also the first pro
 (``unshare --pid``): whatever it spawned, ``setsid`` with a cleared environment included, dies with it, before its
 verifier runs. Elsewhere a process that leaves both the session and the marker survives the rollout, and
 :meth:`LocalBackend.start` says so. It is convenient and the embedded default, but it is **no security boundary**:
-the harness runs as your user and can read your files and reach the network. The verifier runs afterwards as a process of its own
-(``pipeline/rollout/verify.py``). :meth:`LocalBackend.start` kills what a crash of this run left (its marked
-processes, its rollout directories); a hard exit kills them through :meth:`LocalBackend.emergency_stop`.
+the harness runs as your user and can read your files and reach the network. The verifier runs afterwards as a
+process of its own (``pipeline/rollout/verify.py``). :meth:`LocalBackend.start` kills what a crash of this run
+left (its marked processes, its rollout directories); a hard exit kills them through
+:meth:`LocalBackend.emergency_stop`.
 """
 
 from __future__ import annotations
