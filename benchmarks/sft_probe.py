@@ -16,13 +16,15 @@ step, and every ``--eval-every`` steps measures on held-out demonstrations, teac
 
 ``--tail N`` keeps only the last N prompt tokens of every call (the harness's system prompt and tool schemas cut
 away): the same task with a short context, which tells a model that cannot learn the task from one that cannot find
-the instruction in a long prompt. Results and their reading: ``benchmarks/results/2026-12-06-blackbox-sft-probe.md``.
+the instruction in a long prompt. ``--window N`` gives the policy sliding-window attention over the whole prompt
+instead (the learner's tree attention masks keys more than N positions back, as transformers does). Results and their reading: ``benchmarks/results/2026-12-06-blackbox-sft-probe.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -112,6 +114,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--tail", type=int, default=0, help="keep only the last N prompt tokens (0: all)")
+    ap.add_argument("--window", type=int, default=0, help="give every layer a sliding attention window of this many "
+                    "tokens (0: full attention)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weights", type=Path, help="measure this policy folder (a run's weights/vNNNNN) instead of "
                     "training one; its vocabulary must be the run's")
@@ -142,11 +146,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         create_small_model(tmp, vocab=table, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
                            num_kv_heads=a.kv_heads, max_position_embeddings=32768, seed=a.seed)
+        if a.window:  # transformers' Qwen3 sliding-window layers; the learner's tree attention honours them
+            cfg = json.loads((Path(tmp) / "config.json").read_text())
+            cfg.update(use_sliding_window=True, sliding_window=a.window, max_window_layers=0,
+                       layer_types=["sliding_attention"] * a.layers)
+            (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         learner = Learner(tmp, LearnerConfig(lr=a.lr, micro_batch_tokens=1 << 16, seed=a.seed))
     rng = np.random.default_rng(a.seed)
     tokens = np.mean([len(ids(g.packed.tokens)) for g in packs])
     print(f"{len(demos)} demonstrations; {len(packs)} packs of {a.pack} ({tokens:.0f} tokens each); hidden "
-          f"{a.hidden}, {a.layers} layers; tail {a.tail or 'all'}\n")
+          f"{a.hidden}, {a.layers} layers; tail {a.tail or 'all'}; window {a.window or 'none'}\n")
     print("| step | SFT loss | content | greedy | p_exact | minutes |\n| ---: | ---: | ---: | ---: | ---: | ---: |")
     t0 = time.monotonic()
     for step in range(1, a.steps + 1):

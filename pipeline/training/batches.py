@@ -127,9 +127,12 @@ def micro_batches(trees: list[Tree], budget: int) -> list[MicroBatch]:
 
 
 def model_inputs(forest: ta.TreeArrays, targets: np.ndarray, attention: str, dev: torch.device,
-                 chunk: int = 1024) -> dict[str, Any]:
+                 chunk: int = 1024, window: int = 0) -> dict[str, Any]:
     """Model inputs for one micro-batch in an attention layout ("flex", "chunked" with ``chunk`` queries per
-    block, "dense" or "reference")."""
+    block, "dense" or "reference"). ``window``: the model's sliding window (``chunked`` only, for now)."""
+    if window and attention != "chunked":
+        raise ValueError(f"a model with a sliding window ({window}) trains with [learner] attention = \"chunked\" "
+                         f"only, not {attention!r}")
     tgt_tokens = torch.as_tensor(forest.tokens[targets], device=dev)
     if attention == "reference":
         return _reference_inputs(forest, targets, tgt_tokens, dev)
@@ -139,7 +142,7 @@ def model_inputs(forest: ta.TreeArrays, targets: np.ndarray, attention: str, dev
     if attention == "flex":
         attn: Any = ta.flex_block_mask(se)
     elif attention == "chunked":
-        attn = ta.chunked_mask(se, chunk)
+        attn = ta.chunked_mask(se, chunk, torch.as_tensor(forest.positions, device=dev), window)
     else:
         attn = ta.dense_mask(se)
     return {

@@ -106,6 +106,7 @@ class Learner:
             policy = load_policy(self.model_path, cfg)
         policy.to(dtype)
         policy.set_attn_implementation(impl)
+        self.window = ta.sliding_window(policy.config)  # sliding-window layers: masked by the tree attention too
         if cfg.gradient_checkpointing:
             _checkpointing(policy, True)
         policy.train()
@@ -360,7 +361,7 @@ class Learner:
         cfg = self.config
         return self.net(
             **batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device,
-                                   cfg.attention_chunk),
+                                   cfg.attention_chunk, self.window),
             temperature=self._temperature(mb),
             logits_chunk=cfg.logits_chunk,
             values=values,
@@ -411,7 +412,7 @@ class Learner:
                     mb.old["value"] = out["value"].float()
             if self.reference is not None:
                 inputs = batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device,
-                                              self.config.attention_chunk)
+                                              self.config.attention_chunk, self.window)
                 with self.accelerator.autocast():
                     h = self.reference.base_model(
                         input_ids=inputs["input_ids"],

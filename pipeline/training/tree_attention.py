@@ -252,6 +252,10 @@ class ChunkedTreeMask:
 
     subtree_end: torch.Tensor  # (N,) int64
     chunk: int  # queries per block
+    # A sliding-window layer's rule on top: a key is seen only from fewer than ``window`` positions (depths on the
+    # path, ``positions``) further on, as transformers' own sliding-window mask has it. 0: no window.
+    positions: torch.Tensor | None = None
+    window: int = 0
 
     def blocks(self) -> list[tuple[int, int, torch.Tensor]]:
         """(start, end, keys) per block of queries [start, end): the keys some query of the block can see
@@ -264,13 +268,32 @@ class ChunkedTreeMask:
     def block_mask(self, start: int, end: int, keys: torch.Tensor) -> torch.Tensor:
         """The (end - start, len(keys)) boolean mask of queries [start, end) over ``keys``."""
         q = torch.arange(start, end, device=keys.device)
-        return (keys[None, :] <= q[:, None]) & (q[:, None] < self.subtree_end[keys][None, :])
+        mask = (keys[None, :] <= q[:, None]) & (q[:, None] < self.subtree_end[keys][None, :])
+        if self.window:
+            assert self.positions is not None
+            mask &= (self.positions[q][:, None] - self.positions[keys][None, :]) < self.window
+        return mask
 
 
-def chunked_mask(subtree_end: torch.Tensor, chunk: int) -> dict[str, ChunkedTreeMask]:
+def chunked_mask(subtree_end: torch.Tensor, chunk: int, positions: torch.Tensor | None = None,
+                 window: int = 0) -> dict[str, ChunkedTreeMask]:
     """CPU path: the model's ``attention_mask`` argument for :data:`CHUNKED_IMPL`. transformers takes a dict as
-    masks already prepared per layer type and hands each layer its entry unchanged."""
-    return {"full_attention": ChunkedTreeMask(subtree_end.to(torch.int64), chunk)}
+    masks already prepared per layer type and hands each layer its entry unchanged; ``window`` > 0 adds the entry
+    of sliding-window layers (``positions``: each token's depth on its path)."""
+    se = subtree_end.to(torch.int64)
+    masks = {"full_attention": ChunkedTreeMask(se, chunk)}
+    if window:
+        if positions is None:
+            raise ValueError("chunked_mask: a sliding window needs the tokens' positions")
+        masks["sliding_attention"] = ChunkedTreeMask(se, chunk, positions.to(torch.int64), window)
+    return masks
+
+
+def sliding_window(config: Any) -> int:
+    """The sliding window of a transformers model config when any of its layers uses one; 0 otherwise."""
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window and "sliding_attention" in layer_types else 0
 
 
 def chunked_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

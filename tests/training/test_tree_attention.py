@@ -157,3 +157,41 @@ def test_root_ranges_and_slices():
     bad = dataclasses.replace(t, subtree_end=np.array([3, 2, 4, 4]))  # root 0 claims a token of root 2
     with pytest.raises(ta.TreeError, match="subtree"):
         ta.validate(bad)
+
+
+def test_a_sliding_window_model_trains_on_trees_as_transformers_runs_it():
+    """Chunked tree attention with a model's sliding window gives transformers' own sliding-window logits, on a
+    plain sequence and on each path of a tree; the window really masks (full attention differs)."""
+    import copy
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=50, use_sliding_window=True, sliding_window=16,
+                      max_window_layers=0)
+    assert ta.sliding_window(cfg) == 16
+    sdpa = copy.deepcopy(cfg)
+    sdpa._attn_implementation = "sdpa"
+    ref = Qwen3ForCausalLM(sdpa).eval()
+    tree = Qwen3ForCausalLM(copy.deepcopy(cfg)).eval()
+    tree.load_state_dict(ref.state_dict())
+    tree.set_attn_implementation(ta.register_chunked())
+    full_cfg = copy.deepcopy(sdpa)
+    full_cfg.layer_types, full_cfg.sliding_window = ["full_attention"] * 2, None
+    full = Qwen3ForCausalLM(full_cfg).eval()
+    full.load_state_dict(ref.state_dict())
+    # a trunk of 40 tokens and two branches of 12: packed depth-first, positions are depths on the path
+    trunk, b1, b2 = (torch.randint(0, 50, (n,)) for n in (40, 12, 12))
+    tokens = torch.cat([trunk, b1, b2])
+    positions = torch.cat([torch.arange(40), torch.arange(40, 52), torch.arange(40, 52)])
+    subtree_end = torch.cat([torch.full((40,), 64), torch.full((12,), 52), torch.full((12,), 64)])
+    with torch.no_grad():
+        got = tree(input_ids=tokens[None], position_ids=positions[None],
+                   attention_mask=ta.chunked_mask(subtree_end, 8, positions, 16)).logits[0]
+        for branch, rows in ((b1, slice(40, 52)), (b2, slice(52, 64))):
+            path = torch.cat([trunk, branch])[None]
+            want = ref(input_ids=path).logits[0]
+            assert torch.allclose(got[:40], want[:40], atol=1e-5)
+            assert torch.allclose(got[rows], want[40:], atol=1e-5)
+            assert not torch.allclose(want, full(input_ids=path).logits[0], atol=1e-3)
