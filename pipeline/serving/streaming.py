@@ -9,10 +9,11 @@ bytes (``Protocol.stream_open`` / ``keepalive`` / ``stream_rest`` in wire.py); t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import anyio
 
-from pipeline.serving.engine import Engine
+from pipeline.serving.engine import Engine, EngineError
 from pipeline.serving.http_server import Request, Response, Stream
 from pipeline.serving.wire import Protocol, StreamState
 
@@ -83,7 +84,9 @@ async def watch_engine(
         await w.woken
         if task.done():
             return w.resp, False
-        with anyio.move_on_after(10):  # the client is gone
+        # The client is gone. An engine that cannot take the abort (it is gone too: a run being killed) has
+        # nothing left to abort; the caller's handler must not fail for it.
+        with anyio.move_on_after(10), contextlib.suppress(EngineError):
             await engine.abort(rid)
         return w.resp, True
     finally:
