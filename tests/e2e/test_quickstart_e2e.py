@@ -103,11 +103,7 @@ def test_kill_9_then_resume_keeps_the_policy_and_neither_repeats_nor_skips_a_ste
         "scheduler.group_size=3", "run.groups_per_step=2",
         "scheduler.tasks.count=20", "monitor.display=\"off\"", "learner.checkpoint_every=1",
     ]
-    args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
-    for s in sets:
-        args += ["--set", s]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = start_quickstart(run_dir, sets)
     try:
         t0 = time.monotonic()
         while not (run_dir / "checkpoints" / "step00002" / "learner_state.json").exists():
@@ -198,11 +194,7 @@ def test_a_run_killed_during_its_cold_start_resumes_by_starting_over(tmp_path):
     sets = [f'run.model="{tmp_path / "model"}"', "experiment.build_model.tasks=60", "scheduler.sft_groups=16",
             "tree.sft_pack=8", "learner.sft_epochs=30", "run.steps=1", "scheduler.group_size=2",
             "run.groups_per_step=1", "scheduler.tasks.count=4", 'monitor.display="off"']
-    args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
-    for s in sets:
-        args += ["--set", s]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = start_quickstart(run_dir, sets)
     try:
         t0 = time.monotonic()
         metrics = run_dir / "metrics.jsonl"
@@ -246,3 +238,12 @@ def forget_step(run_dir: Path, step: int) -> None:
     rows = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if not (json.loads(line)["kind"] == "rl_step" and json.loads(line)["step"] >= step)]
     (run_dir / "metrics.jsonl").write_text("".join(f"{line}\n" for line in rows))
+
+
+def start_quickstart(run_dir: Path, sets: list[str]) -> subprocess.Popen:
+    """``run.py --experiment quickstart`` with ``sets``, in a session of its own (to be killed with its group)."""
+    args = [sys.executable, "run.py", "--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)

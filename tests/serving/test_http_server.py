@@ -303,14 +303,21 @@ async def test_slow_clients_over_the_connection_cap_do_not_starve_a_good_one():
             w.close()
 
 
+async def slow_requests(port: int, n: int, head: bytes = b"") -> list[tuple[asyncio.StreamReader,
+                                                                         asyncio.StreamWriter]]:
+    """``n`` connections, each with a /slow request the app answers only once released."""
+    out = []
+    for _ in range(n):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+        out.append((r, w))
+    await asyncio.sleep(0.1)
+    return out
+
+
 async def test_a_busy_server_refuses_a_new_connection_with_a_503():
     async with serving(max_connections=2) as (app, _, port):
-        busy = []
-        for _ in range(2):
-            r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-            busy.append((r, w))
-        await asyncio.sleep(0.1)
+        busy = await slow_requests(port, 2)
         assert (await raw(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 503 ")
         app.release.set()
         for r, w in busy:
@@ -320,12 +327,7 @@ async def test_a_busy_server_refuses_a_new_connection_with_a_503():
 
 async def test_one_credential_holds_a_bounded_number_of_requests_and_others_are_unaffected():
     async with serving(max_connections_per_token=3) as (app, _, port):
-        held = []
-        for _ in range(3):
-            r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer rollout-a\r\n\r\n")
-            held.append((r, w))
-        await asyncio.sleep(0.1)
+        held = await slow_requests(port, 3, b"Authorization: Bearer rollout-a\r\n")
         fourth = await raw(port, b"GET /echo HTTP/1.1\r\nHost: x\r\nx-api-key: rollout-a\r\n\r\n")
         assert fourth.startswith(b"HTTP/1.1 429 ") and b"more than 3 requests at once" in fourth
         other = await raw(port, b"GET /echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer rollout-b\r\n"
