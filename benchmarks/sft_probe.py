@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -145,12 +144,8 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         create_small_model(tmp, vocab=table, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
-                           num_kv_heads=a.kv_heads, max_position_embeddings=32768, seed=a.seed)
-        if a.window:  # transformers' Qwen3 sliding-window layers; the learner's tree attention honours them
-            cfg = json.loads((Path(tmp) / "config.json").read_text())
-            cfg.update(use_sliding_window=True, sliding_window=a.window, max_window_layers=0,
-                       layer_types=["sliding_attention"] * a.layers)
-            (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+                           num_kv_heads=a.kv_heads, max_position_embeddings=32768, seed=a.seed,
+                           sliding_window=a.window)
         learner = Learner(tmp, LearnerConfig(lr=a.lr, micro_batch_tokens=1 << 16, seed=a.seed))
     rng = np.random.default_rng(a.seed)
     tokens = np.mean([len(ids(g.packed.tokens)) for g in packs])

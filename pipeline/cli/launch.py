@@ -122,7 +122,10 @@ async def build_model(exp: cfg.Experiment) -> None:
                     tg.cancel_scope.cancel()
 
             tg.start_soon(interrupt)
-            await anyio.to_thread.run_sync(ensure_model, spec, abandon_on_cancel=True)
+            try:
+                await anyio.to_thread.run_sync(ensure_model, spec, abandon_on_cancel=True)
+            except ValueError as e:  # a model built there before with another shape
+                raise cfg.ConfigError(f"{exp.source}: {e}") from None
             tg.cancel_scope.cancel()
     if interrupted:
         raise interrupted[0]

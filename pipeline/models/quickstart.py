@@ -61,6 +61,13 @@ class ModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # > 0: the untrained policy ends a turn after about this many tokens (pipeline.models.small.end_turns_early);
     # a black-box harness then sees answers end instead of every one cut at the token cap.
     mean_reply_tokens: int = 0
+    # > 0: every layer attends only this many positions back (what lets a tiny policy find the instruction at the
+    # end of a harness's 8-19k-token prompt: configs/blackbox.toml)
+    sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window = {self.sliding_window}: 0 (full attention) or a window in tokens")
 
 
 def _harnesses(spec: ModelSpec) -> list[str]:
@@ -137,14 +144,32 @@ def ensure_model(spec: ModelSpec) -> Path:
     """Build the model at ``spec.path`` unless it is already there (idempotent)."""
     out = Path(spec.path)
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        _check_built(spec, out)
         return out
     table = vocabulary(spec) if spec.vocabulary == "reduced" else None
     tmp = out.with_name(out.name + ".tmp")
     create_small_model(tmp, vocab=table, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
                        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                        max_position_embeddings=spec.max_position_embeddings, seed=spec.seed,
-                       mean_reply_tokens=spec.mean_reply_tokens)
+                       mean_reply_tokens=spec.mean_reply_tokens, sliding_window=spec.sliding_window)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
     log.info("quickstart model created", path=str(out), vocab=table.size if table else "full")
     return out
+
+
+def _check_built(spec: ModelSpec, out: Path) -> None:
+    """A model already built at the path must have the shape the spec asks for: a changed spec would otherwise
+    train the old model silently."""
+    if not (out / "bridle_model.json").exists():
+        return  # the user's own model at that path: not ours to judge
+    c = json.loads((out / "config.json").read_text())
+    window = c.get("sliding_window") if "sliding_attention" in (c.get("layer_types") or []) else 0
+    built = {"hidden_size": c.get("hidden_size"), "num_layers": c.get("num_hidden_layers"),
+             "num_heads": c.get("num_attention_heads"), "num_kv_heads": c.get("num_key_value_heads"),
+             "max_position_embeddings": c.get("max_position_embeddings"), "sliding_window": window or 0}
+    differ = {k: (v, getattr(spec, k)) for k, v in built.items() if v != getattr(spec, k)}
+    if differ:
+        what = ", ".join(f"{k} {b} (asked {a})" for k, (b, a) in differ.items())
+        raise ValueError(f"{out}: the model built there has {what}; [experiment.build_model] asks otherwise. "
+                         "Set [run].model to a new path (or delete that folder) to build the asked one")

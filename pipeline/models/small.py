@@ -130,6 +130,7 @@ def create_small_model(
     eos_ids: Sequence[int] = (IM_END, ENDOFTEXT),
     seed: int = 0,
     mean_reply_tokens: int = 0,
+    sliding_window: int = 0,
 ) -> Path:
     """Randomly initialise a Qwen3ForCausalLM and save it as a HF folder (config.json + model.safetensors).
 
@@ -138,7 +139,8 @@ def create_small_model(
     or a tokenizer copied into the folder). ``eos_ids`` are Qwen ids; for a reduced vocabulary the config stores
     their compact ids (those not in the table are dropped). ``mean_reply_tokens`` > 0: the untrained model ends a
     turn after about that many tokens (:func:`end_turns_early`); 0: it almost never does (1 in the vocabulary size
-    per token).
+    per token). ``sliding_window`` > 0: every layer attends only to that many positions back (transformers'
+    Qwen3 sliding-window layers), which a tiny policy needs to find a few tokens in a harness's long prompt.
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -166,6 +168,8 @@ def create_small_model(
         eos_token_id=eos or None,
         bos_token_id=None,
         pad_token_id=None,
+        **({"use_sliding_window": True, "sliding_window": sliding_window, "max_window_layers": 0,
+            "layer_types": ["sliding_attention"] * num_layers} if sliding_window else {}),
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)

@@ -25,15 +25,17 @@ BUDGET = 64 << 20
 SYSTEM = [1 + (5 * j) % 59 for j in range(40)]  # what the rollouts of a group share
 
 
-def build(root: Path, seed: int = 0) -> Path:
+def build(root: Path, seed: int = 0, window: int = 0) -> Path:
     return create_small_model(root, vocab=VocabTable.from_sequences([range(500, 560)]), hidden_size=32,
-                              num_layers=2, num_heads=2, num_kv_heads=1, seed=seed)
+                              num_layers=2, num_heads=2, num_kv_heads=1, seed=seed, sliding_window=window)
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory) -> ModelRunner:
+# window 8: a sliding-window policy (configs/blackbox.toml's kind), whose prompts and outputs run past the window
+@pytest.fixture(scope="module", params=[0, 8], ids=["full", "window8"])
+def runner(tmp_path_factory, request) -> ModelRunner:
     torch.set_num_threads(1)
-    return ModelRunner(build(tmp_path_factory.mktemp("m") / "m"), torch.float32, context_length=512)
+    return ModelRunner(build(tmp_path_factory.mktemp("m") / "m", window=request.param), torch.float32,
+                       context_length=512)
 
 
 def rollout_wave() -> list[tuple[int, Req, dict]]:

@@ -157,3 +157,20 @@ def test_one_blackbox_vocabulary_serves_several_harnesses():
     both = vocabulary(ModelSpec(harness=BLACKBOX, **spec))
     assert set(both.ids) == set.union(*each)
     assert both.unk_id == ENDOFTEXT
+
+
+def test_build_model_sliding_window_and_a_stale_build_refused(tmp_path):
+    """sliding_window builds transformers' sliding-window layers; a model already at the path with another shape is
+    refused with what to do, not trained silently."""
+    from pipeline.models.quickstart import ModelSpec, ensure_model
+
+    spec = {"path": str(tmp_path / "m"), "vocabulary": "full", "hidden_size": 16, "num_layers": 2, "num_heads": 2,
+            "num_kv_heads": 1}
+    d = ensure_model(msgspec.convert({**spec, "sliding_window": 64}, ModelSpec))
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["sliding_window"] == 64 and cfg["layer_types"] == ["sliding_attention"] * 2
+    assert ensure_model(msgspec.convert({**spec, "sliding_window": 64}, ModelSpec)) == d
+    with pytest.raises(ValueError, match=r"sliding_window 64 \(asked 0\).*Set \[run\].model"):
+        ensure_model(msgspec.convert(spec, ModelSpec))
+    with pytest.raises(msgspec.ValidationError, match="sliding_window"):
+        msgspec.convert({**spec, "sliding_window": -1}, ModelSpec)

@@ -66,6 +66,11 @@ class ModelRunner:
         eos_compact = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.eos_ids = frozenset(int(i) for i in self.to_outside(eos_compact))
         params = inspect.signature(self.model.forward).parameters
+        # transformers' cache would keep only a sliding-window layer's last window of KV, but the prefix cache and
+        # the batch's left padding index KV by position: such a model gets full layers (the model's own sliding
+        # mask still hides keys beyond the window), at the memory cost of full attention.
+        sliding = "sliding_attention" in (getattr(self.config, "layer_types", None) or [])
+        self._cache_config = None if sliding else self.config
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @property
@@ -87,7 +92,8 @@ class ModelRunner:
     def new_cache(self, kv: KV | None = None):
         from transformers import DynamicCache
 
-        return DynamicCache(ddp_cache_data=kv, config=self.config) if kv else DynamicCache(config=self.config)
+        return DynamicCache(ddp_cache_data=kv, config=self._cache_config) if kv else DynamicCache(
+            config=self._cache_config)
 
     @staticmethod
     def cache_kv(cache) -> KV:
