@@ -29,6 +29,7 @@ from pipeline.core.runtime import Actor
 from pipeline.messages import (
     EngineReady,
     GroupDropped,
+    GroupResample,
     Metric,
     PolicyUpdated,
     TreeGroup,
@@ -39,9 +40,10 @@ from pipeline.messages import (
 from pipeline.models.small import VOCAB_FILE, load_vocab_table
 from pipeline.serving.engine import EngineError
 from pipeline.serving.weight_sync import WeightPusher
+from pipeline.training import advantages as adv
 from pipeline.training.health import assess
 from pipeline.training.learner_config import LearnerConfig
-from pipeline.training.loop import ColdStartReady, LearnerLoop, StepReady, sft_plan
+from pipeline.training.loop import ColdStartReady, LearnerLoop, Resample, StepReady, sft_plan
 from pipeline.training.policy import load_policy
 from pipeline.training.ranks import InProcess, Ranks, start_ranks
 
@@ -113,6 +115,15 @@ class LearnerSettings(Section):
         if self.gpus and len(self.gpus.split(",")) < self.processes:
             raise ConfigError(f'{exp.source}: [{name}].gpus = "{self.gpus}" names {len(self.gpus.split(","))} '
                               f"device(s) for processes = {self.processes}: one per rank")
+        if exp.run.dynamic_sampling:
+            if self.train.advantage != "grpo":
+                raise ConfigError(f"{exp.source}: [run].dynamic_sampling replaces groups without a reward spread, "
+                                  f"which only GRPO leaves without a gradient; [{name}.train].advantage is "
+                                  f'"{self.train.advantage}": set dynamic_sampling = 0')
+            if not any(src == name and out == "resample" for src, out, _ in exp.graph.parsed_edges()):
+                raise ConfigError(f"{exp.source}: [run].dynamic_sampling = {exp.run.dynamic_sampling} asks the "
+                                  f'scheduler for replacement groups: add "{name}.resample -> <scheduler>" to '
+                                  "[graph].edges")
         if self.weight_sync == "distributed" and self.processes > 1:
             raise ConfigError(f'{exp.source}: [{name}].weight_sync = "distributed" with processes = '
                               f'{self.processes}: the broadcast is sent from this process, which holds no weights '
@@ -129,7 +140,7 @@ class LearnerSettings(Section):
 
 class LearnerActor(Actor[LearnerSettings]):
     Config = LearnerSettings
-    outputs = ("updates", "metrics")
+    outputs = ("updates", "metrics", "resample")
     learner: InProcess | Ranks | None = None
     loop: LearnerLoop | None = None
     pusher: WeightPusher | None = None  # set while weight sync without the disk works
@@ -169,13 +180,15 @@ class LearnerActor(Actor[LearnerSettings]):
         if self.resume is not None:
             # Model, optimizer, schedule, RNG, step and version from the checkpoint; the engine gets the weights
             # at once (an update that trains nothing: empty batch hash). Groups of unfinished steps are re-issued.
-            loop = LearnerLoop.resumed(run.steps, run.groups_per_step, c.checkpoint_every, self.resume.steps_done)
+            loop = LearnerLoop.resumed(run.steps, run.groups_per_step, c.checkpoint_every, self.resume.steps_done,
+                                       run.dynamic_sampling)
             await learner.init(str(self.model_dir), c.rl_stage(run))
             extra = await learner.load_checkpoint(self.resume.checkpoint)
             self.log.info("resumed", checkpoint=str(self.resume.checkpoint), steps_done=loop.steps_done)
             await self._announce_resumed(loop.steps_done, extra.get("announce"))
         else:
-            loop = LearnerLoop(run.steps, run.groups_per_step, c.checkpoint_every)
+            loop = LearnerLoop(run.steps, run.groups_per_step, c.checkpoint_every,
+                               dynamic_sampling=run.dynamic_sampling)
             # Weights load now, while the first rollouts run (ranks load their own); the optimizer is chosen by
             # the first message: a demonstration pack (they all come before any training group) starts SFT.
             policy = (await anyio.to_thread.run_sync(load_policy, self.model_dir, c.train) if c.processes == 1
@@ -199,8 +212,11 @@ class LearnerActor(Actor[LearnerSettings]):
             if isinstance(msg, GroupDropped) and msg.purpose == "sft":
                 self.log.warning("demonstration pack dropped", group=msg.group_id, reason=msg.reason)
             todo = loop.receive(self._compact(msg), version=learner.version,
-                                max_staleness=self.ctx.run.max_staleness)
-            if isinstance(todo, ColdStartReady):
+                                max_staleness=self.ctx.run.max_staleness, spread=self._spread(msg))
+            if isinstance(todo, Resample):
+                self.log.info("no reward spread: group replaced", group=todo.group.group_id, resample=todo.next)
+                await self.send("resample", GroupResample(group_id=todo.group.group_id, resample=todo.next))
+            elif isinstance(todo, ColdStartReady):
                 await self._cold_start(todo)
                 if loop.finished:
                     return  # a cold-start-only run ([run].steps = 0)
@@ -209,6 +225,13 @@ class LearnerActor(Actor[LearnerSettings]):
                 if todo.last:
                     return
         self.log.warning("inputs ended before the last step", steps_done=loop.steps_done, steps=run.steps)
+
+    def _spread(self, g: TreeGroup | GroupDropped) -> bool:
+        """Whether a training group's rewards differ over the rollouts the RL stage scores (dynamic sampling)."""
+        if not isinstance(g, TreeGroup) or g.purpose != "train":
+            return True
+        statuses = self.config.rl_stage(self.ctx.run).train_statuses
+        return adv.reward_spread(np.array([r.reward for r in g.rollouts]), adv.rollout_valid(g.rollouts, statuses))
 
     def _compact(self, g: TreeGroup | GroupDropped) -> TreeGroup | GroupDropped:
         """Reduced-vocabulary models train on compact ids (the same rows the engine sampled from)."""
@@ -242,7 +265,8 @@ class LearnerActor(Actor[LearnerSettings]):
         for gid, lag in ready.stale:
             self.log.warning("stale group dropped", group=gid, lag=lag)
         stage = self.config.rl_stage(self.ctx.run)
-        health = assess(ready.step, ready.batch, ready.untrained, stage.train_statuses)
+        health = assess(ready.step, ready.batch, ready.untrained, stage.train_statuses,
+                        resampled=ready.resampled if self.ctx.run.dynamic_sampling else None)
         warning = health.warning(stage.advantage)
         if warning is not None:
             self.log.warning(warning, step=ready.step, cause=health.cause)

@@ -1,14 +1,16 @@
 """Scheduler actor: turns tasks and the harness assignment into RolloutRequests (decisions: pipeline.rollout.scheduling).
 
-Inbox: RolloutFinished (frees in-flight slots), PolicyUpdated (the learner's version). Outputs: ``requests``
-(to the proxy, which registers the token and forwards them to the sandbox pool), ``metrics``.
+Inbox: RolloutFinished (frees in-flight slots), PolicyUpdated (the learner's version), GroupResample (dynamic
+sampling: a group to replace). Outputs: ``requests`` (to the proxy, which registers the token and forwards them to
+the sandbox pool), ``metrics``. With ``[run].dynamic_sampling`` it keeps listening after its last group: the learner
+may still ask for replacements until the run stops.
 """
 
 from __future__ import annotations
 
 from pipeline.core.config import RunSection
 from pipeline.core.runtime import Actor
-from pipeline.messages import Metric, PolicyUpdated, RolloutFinished
+from pipeline.messages import GroupResample, Metric, PolicyUpdated, RolloutFinished
 from pipeline.rollout.scheduling import Issuer, Planner, SchedulerSettings, load_tasks, rollout_requests
 
 
@@ -35,15 +37,17 @@ class Scheduler(Actor[SchedulerSettings]):
         self.log.info("scheduler ready", tasks=len(tasks), sft_tasks=len(sft_planner.tasks), mode=c.mode,
                       groups=issuer.total, sft_groups=c.sft_groups)
         await self._issue()
-        if issuer.done:
+        if issuer.done and not run.dynamic_sampling:
             return
         async for msg in self.messages():
             if isinstance(msg, RolloutFinished):
                 issuer.finished(msg.group_id)
             elif isinstance(msg, PolicyUpdated):
                 issuer.updated(msg.version, msg.step)
+            elif isinstance(msg, GroupResample) and not issuer.resample(msg.group_id, msg.resample):
+                self.log.warning("resample of a group this run did not issue; ignored", group=msg.group_id)
             await self._issue()
-            if issuer.done:
+            if issuer.done and not self.ctx.run.dynamic_sampling:
                 return
 
     async def _issue(self) -> None:

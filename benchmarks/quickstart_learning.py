@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 import tempfile
@@ -52,7 +53,8 @@ def paired_se(run_dir: Path, steps: int) -> tuple[float | None, str]:
     def window(lo: int, hi: int) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {}
         for g, t in task.items():
-            if g in reward and lo <= int(g.lstrip("g")) // per_step + 1 <= hi:
+            slot = int(re.match(r"g(\d+)", g).group(1))  # g00012, or g00012-a1 / -x1 (resumed / replaced)
+            if g in reward and lo <= slot // per_step + 1 <= hi:
                 out.setdefault(t, []).extend(reward[g])
         return out
 

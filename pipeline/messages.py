@@ -120,6 +120,9 @@ class RolloutRequest(_Msg, kw_only=True):
     # Set by the proxy when it runs several workers: the one that owns this rollout, where the sandbox pool sends
     # the harness (instead of ServiceReady's address).
     proxy: ProxyEndpoint | None = None
+    # Dynamic sampling ([run].dynamic_sampling): how many groups without a reward spread this group replaces in its
+    # slot of the step (0: the slot's first group).
+    resample: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- the proxy
@@ -342,6 +345,7 @@ class TreeGroup(_Msg, kw_only=True):
     # The group's rollouts that are not in ``rollouts`` (a failed status, an unusable tree), so the learner can
     # count every rollout of a step by status. Empty in logs recorded before it existed.
     left_out: list[LeftOut] = msgspec.field(default_factory=list)
+    resample: int = 0  # as its rollouts' RolloutRequest.resample
 
 
 class GroupDropped(_Msg, kw_only=True):
@@ -375,6 +379,16 @@ class PolicyUpdated(_Msg, kw_only=True):
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     batch_hash: str = ""  # sha256 of the packed batch this update trained on (replay reproduces it)
     groups: list[str] = msgspec.field(default_factory=list)  # ids of the TreeGroups it trained on, in order
+
+
+class GroupResample(_Msg, kw_only=True):
+    """Learner -> Scheduler, with ``[run].dynamic_sampling`` (DAPO's dynamic sampling): the training group
+    ``group_id`` had no reward spread and was not trained; issue group number ``resample`` of its slot in its place
+    (another task, the same harness). The learner asks only while ``resample <= dynamic_sampling``, and counts the
+    step's groups without the replaced ones, so each step still trains ``groups_per_step`` groups."""
+
+    group_id: str
+    resample: int
 
 
 # -------------------------------------------------------------------------------------- control, metrics
@@ -443,6 +457,7 @@ Message = Union[  # noqa: UP007 — one type per line reads as the list of every
     TreeGroup,
     GroupDropped,
     PolicyUpdated,
+    GroupResample,
     ConfigChanged,
     Metric,
     ActorStopped,

@@ -77,6 +77,11 @@ class RunSection(Section):
     # A group issued when the learner had done s steps is trained by step s + max_staleness: the scheduler waits
     # before issuing further ahead, and the learner drops what is older (a backstop).
     max_staleness: NonNegInt = 1
+    # DAPO's dynamic sampling (docs/learner.md, "When a step cannot learn"). 0: off. N > 0: a training group whose
+    # rollouts all scored alike is not trained; the learner asks the scheduler for another group in its place (a
+    # new task, the same harness), up to N times per slot of a step, so a step trains groups_per_step groups with a
+    # reward spread where it can. Needs the edge "<learner>.resample -> <scheduler>".
+    dynamic_sampling: NonNegInt = 0
     reloadable = frozenset({"max_staleness"})
 
     @property

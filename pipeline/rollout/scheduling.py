@@ -161,6 +161,7 @@ class Planner:
         self.harnesses = harnesses or [harness]
         self.k = k
         self.B = groups_per_step
+        self.seed = seed
         self.rng = random.Random(seed)
         self._order: list[Task] = []
         self.training = design(space, seed)[0] if mode == "scaling" else []
@@ -171,6 +172,15 @@ class Planner:
             self._order = list(self.tasks)
             self.rng.shuffle(self._order)
         return self._order.pop()
+
+    def replacement(self, a: Assignment, slot: int, resample: int) -> Assignment:
+        """Dynamic sampling: the task of group ``resample`` of training slot ``slot`` (``a``: the slot's group it
+        replaces), another task than ``a``'s where there is one, with ``a``'s harness. Drawn from its own generator
+        seeded by (seed, slot, resample), so the step stream's order does not depend on how many were replaced, and
+        a resumed run draws the same ones."""
+        rng = random.Random(f"{self.seed}/{slot}/{resample}")
+        others = [t for t in self.tasks if t.id != a.task.id] or self.tasks
+        return Assignment(rng.choice(others), a.harness, a.step)
 
     def demonstrations(self, n: int) -> list[Assignment]:
         """The ``n`` cold-start demonstration groups. Mix mode: each task paired with every harness in turn, one
@@ -230,6 +240,7 @@ class Issue:
     purpose: Purpose
     size: int
     demonstrations: int = 0  # purpose "sft": the cold start's demonstration rollouts in all
+    resample: int = 0  # dynamic sampling: RolloutRequest.resample
 
 
 @dataclass
@@ -240,7 +251,8 @@ class Issuer:
     (its weights must reach the engine), then go out in order, at most ``max_groups_in_flight`` unfinished groups
     at a time and never more than ``max_staleness`` steps ahead of the learner (:func:`may_issue`).
     A resumed run continues with the groups of the first unfinished step; their ids carry the resume attempt
-    (``g00016-a1``), so a group id names one issue of one group in the event log.
+    (``g00016-a1``), so a group id names one issue of one group in the event log. With dynamic sampling, a group
+    the learner asks to replace (:meth:`resample`) goes out before any new group, as ``g00016-x1``, ``-x2``, ...
     """
 
     planner: Planner
@@ -255,6 +267,10 @@ class Issuer:
     train_issued: int = 0
     warm: bool = False
     in_flight: dict[str, int] = field(default_factory=dict)  # group -> rollouts not finished
+    resampled: int = 0  # replacement groups asked for (dynamic sampling)
+    # training groups issued in this run: group id -> (slot, assignment of the slot's first group, its id)
+    _slots: dict[str, tuple[int, Assignment, str]] = field(default_factory=dict, repr=False)
+    _replacements: list[Issue] = field(default_factory=list, repr=False)  # asked for, not yet issued
     # The current step's assignments: the planner is asked once per step, in order (its RNG depends on it).
     _step_cache: dict[int, list[Assignment]] = field(default_factory=dict, repr=False)
     _sft: list[Assignment] | None = field(default=None, repr=False)
@@ -296,9 +312,24 @@ class Issuer:
         self.steps_done = max(self.steps_done, step)
         self.warm = True
 
+    def resample(self, group_id: str, resample: int) -> bool:
+        """The learner asks for group ``resample`` of ``group_id``'s slot (GroupResample); False when
+        ``group_id`` is not a training group of this run (one issued before a resume)."""
+        slot = self._slots.get(group_id)
+        if slot is None:
+            return False
+        j, first, base = slot
+        gid = f"{base}-x{resample}"
+        self._slots[gid] = slot
+        self._replacements.append(Issue(gid, self.planner.replacement(first, j, resample), "train",
+                                        self.settings.group_size, resample=resample))
+        self.resampled += 1
+        return True
+
     @property
     def done(self) -> bool:
-        return self.train_issued >= self.total and self.sft_issued >= self.settings.sft_groups
+        return (self.train_issued >= self.total and self.sft_issued >= self.settings.sft_groups
+                and not self._replacements)
 
     def next(self, max_staleness: int) -> list[Issue]:
         """The groups that may go out now, in order (each is counted as in flight from here on)."""
@@ -306,6 +337,11 @@ class Issuer:
         out: list[Issue] = []
         pending: list[Assignment] = []
         while len(self.in_flight) < s.max_groups_in_flight:
+            if self._replacements:  # its slot was issued already: no staleness wait
+                issue = self._replacements.pop(0)
+                self.in_flight[issue.group_id] = issue.size
+                out.append(issue)
+                continue
             if self.sft_issued < s.sft_groups:
                 a = self._demonstrations()[self.sft_issued]
                 out.append(self._take(f"sft{self.sft_issued:04d}", a, "sft", s.sft_group_size))
@@ -318,7 +354,9 @@ class Issuer:
             if not pending:
                 pending = self._step_assignments(j // self.groups_per_step)[j % self.groups_per_step:]
             suffix = f"-a{self.attempt}" if self.attempt else ""
-            out.append(self._take(f"g{j:05d}{suffix}", pending.pop(0), "train", s.group_size))
+            gid, a = f"g{j:05d}{suffix}", pending.pop(0)
+            out.append(self._take(gid, a, "train", s.group_size))
+            self._slots[gid] = (j, a, gid)
             self.train_issued += 1
         return out
 
@@ -340,7 +378,8 @@ class Issuer:
 
     def metrics(self) -> dict[str, float]:
         return {"groups_in_flight": len(self.in_flight), "groups_issued": self.train_issued,
-                "sft_groups_issued": self.sft_issued, "policy_version": self.version,
+                "sft_groups_issued": self.sft_issued, "groups_resampled": self.resampled,
+                "policy_version": self.version,
                 "learner_steps": self.steps_done}
 
 
@@ -355,5 +394,5 @@ def rollout_requests(issue: Issue, settings: SchedulerSettings, version: int) ->
         rollout_id=f"{issue.group_id}-r{i}", group_id=issue.group_id, index=i, group_size=issue.size,
         task_id=a.task.id, harness=a.harness, token="bridle-" + secrets.token_urlsafe(24), policy_version=version,
         sampling=sampling, timeout_s=settings.timeout_s, purpose=issue.purpose, task_path=a.task.path,
-        script=script, demonstrations=issue.demonstrations,
+        script=script, demonstrations=issue.demonstrations, resample=issue.resample,
     ) for i in range(issue.size)]

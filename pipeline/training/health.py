@@ -57,6 +57,7 @@ class StepHealth:
     left_out: int = 0  # listed but not in the loss
     rewards: list[float] = field(default_factory=list)  # of the rollouts in the loss
     failures: dict[str, Failure] = field(default_factory=dict)  # by ``what``, in order of first appearance
+    resampled: int | None = None  # dynamic sampling: groups replaced for want of a reward spread (None: off)
 
     @property
     def rollouts(self) -> int:
@@ -79,6 +80,8 @@ class StepHealth:
         fraction without a trained group, no rollout counts when the groups list no rollout (logs recorded
         before GroupDropped listed them)."""
         v: dict[str, float] = {"groups": self.groups, "groups_dropped": self.dropped, "stale_groups": self.stale}
+        if self.resampled is not None:
+            v["groups_resampled"] = self.resampled
         if self.groups:
             v["zero_var_groups"] = self.zero_variance
             v["zero_var_frac"] = self.zero_variance / self.groups
@@ -116,6 +119,8 @@ class StepHealth:
             line += "; left out: " + "; ".join(f.text() for f in kinds[:FIRST_REASONS])
             if more > 0:
                 line += f"; {more} more kind{'s' if more > 1 else ''}"
+        if self.resampled:
+            line += f"; {self.resampled} group{'s' if self.resampled > 1 else ''} already replaced (dynamic sampling)"
         if not self.groups:
             line += "; the policy is unchanged"
         return line
@@ -132,11 +137,13 @@ def _reward(x: float) -> str:
 
 
 def assess(step: int, batch: Sequence[TreeGroup], untrained: Iterable[TreeGroup | GroupDropped],
-           train_statuses: Iterable[str] = adv.DEFAULT_TRAIN_STATUSES) -> StepHealth:
+           train_statuses: Iterable[str] = adv.DEFAULT_TRAIN_STATUSES,
+           resampled: Sequence[TreeGroup] | None = None) -> StepHealth:
     """Count step ``step``: ``batch`` the groups it trains, ``untrained`` the others it counted (dropped by the tree
-    builder, or stale); ``train_statuses`` as the learner's (the rollouts it scores and trains)."""
+    builder, or stale); ``train_statuses`` as the learner's (the rollouts it scores and trains); ``resampled`` the
+    groups dynamic sampling replaced (None: it is off)."""
     allowed = list(train_statuses)
-    h = StepHealth(step=step)
+    h = StepHealth(step=step, resampled=None if resampled is None else len(resampled))
     for g in batch:
         h.groups += 1
         valid = adv.rollout_valid(g.rollouts, allowed)

@@ -252,6 +252,7 @@ def build_group(rollouts: Sequence[SettledRollout], options: TreeOptions | None 
             packed=pack_trees(valid),
             issued_version=min(r.request.policy_version for r in ordered),
             left_out=[_left_out(t) for t in trees if not t.valid],
+            resample=first.resample,
         )
     return GroupBuild(message=message, trees=trees, summaries=summaries, discarded=discarded)
 

@@ -223,6 +223,17 @@ def test_distributed_weight_sync_needs_the_engines_edge():
         cfg.load_experiment(raw, resolve, ['learner.weight_sync="distributed"'])
 
 
+def test_dynamic_sampling_needs_the_resample_edge_and_grpo():
+    quickstart(["run.dynamic_sampling=2"])  # the shipped configs have the edge
+    with pytest.raises(cfg.ConfigError, match=r"dynamic_sampling .*\[learner.train\].advantage is \"ppo\""):
+        quickstart(["run.dynamic_sampling=2", 'learner.train.advantage="ppo"'])
+    raw = tomllib.loads(cfg.resolve_experiment_path("quickstart").read_text())
+    raw["graph"]["edges"].remove("learner.resample -> scheduler")
+    cfg.load_experiment(raw, resolve)  # off: no edge needed
+    with pytest.raises(cfg.ConfigError, match=r'dynamic_sampling = 2 .*add "learner.resample -> <scheduler>"'):
+        cfg.load_experiment(raw, resolve, ["run.dynamic_sampling=2"])
+
+
 def test_moved_fields_are_refused_with_their_new_place():
     with pytest.raises(cfg.ConfigError, match=r"\[learner\].steps -> \[run\].steps"):
         quickstart(["learner.steps=3"])

@@ -43,6 +43,7 @@ SAMPLES = [
                    harness="codex", left_out=[m.LeftOut(rollout_id="r1", status="ok", reason="group dropped")]),
     m.PolicyUpdated(version=4, step=3, weights_path="/w", metrics={"loss": 0.5}),
     m.PolicyUpdated(version=5, step=4, pushed=True),
+    m.GroupResample(group_id="g00003", resample=1),
     m.ConfigChanged(section="scale", changes={"factor": 3.0, "names": ["a"]}, accepted=False, reason="fixed"),
     m.Metric(source="learner", step=2, values={"reward": 0.25}, t=9.0, warnings=["step 2: nothing trained"]),
     m.ActorStopped(actor="sink", reason="crashed", error="RuntimeError: x"),

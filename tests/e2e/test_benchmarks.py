@@ -217,3 +217,27 @@ def test_gpu_check_runs_its_numerics_and_engine_parts_at_toy_sizes(tmp_path):
     assert all(r["fp32_rel"] <= 1e-4 and r["bf16_tree_rel"] > 0 for r in flex["rows"])
     engine = json.loads((tmp_path / "engine.json").read_text())
     assert engine["engine_float32_vs_tf_float32"] <= 1e-3 and engine["max_batch_bfloat16"] > 1
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_short_run(tmp_path):
+    """benchmarks/dynamic_sampling.py with a barely trained quickstart policy (one SFT epoch of 4 demonstrations:
+    every group scores alike), off and on: the 'on' run replaces its flat groups and samples more rollouts for the
+    same steps; both final policies are evaluated and paired (no learning asserted)."""
+    sets = ["scheduler.sft_groups=4", "tree.sft_pack=4", "learner.sft_epochs=1", "run.steps=2",
+            "run.groups_per_step=2", "scheduler.group_size=2", "eval.tasks.count=4", "eval.samples=1", "eval.ks=[1]",
+            "experiment.build_model.tasks=40", f'run.model="{tmp_path / "model"}"']
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "dynamic_sampling.py"), "--resample", "1", "--seeds", "0",
+           "--out", str(tmp_path / "ds")]
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=900, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith(("| off", "| on"))}
+    off, on = rows["off (0)"], rows["on (1)"]
+    assert off[1] == on[1] == "2" and off[3] == "0"  # both ran their 2 steps; off replaces nothing
+    replaced = int(on[3])
+    assert int(on[4]) == int(off[4]) + 2 * replaced  # each replacement is one more group of 2 rollouts
+    assert "on - off, paired" in proc.stdout and next(ln for ln in proc.stdout.splitlines() if ln.startswith("| 0 |"))

@@ -3,6 +3,8 @@
 Demonstrations played through Codex, one SFT epoch, two GRPO steps, then the held-out evaluations of the SFT and
 final policies and their paired table. A policy this briefly trained scores 0 everywhere, so every RL step has
 uniform rewards: the learner must say so (the no-signal warning) instead of training silently on zero gradients.
+With dynamic sampling on (``[run].dynamic_sampling = 1``) every flat group is replaced once through the real
+scheduler, and the replacements, flat too, are counted: the run still ends after its two steps.
 Learning itself is the benchmark's claim, never this test's. Fails in CI (CI=true) when Docker, an image or the
 Codex binary is missing.
 """
@@ -26,7 +28,7 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     out = tmp_path / "bench"
     sets = [f'run.model="{tmp_path / "model"}"', "run.steps=2", "run.groups_per_step=2", "scheduler.group_size=2",
             "scheduler.sft_groups=4", "tree.sft_pack=4", "learner.sft_epochs=1", "eval.tasks.count=4",
-            "eval.samples=1", "eval.ks=[1]"]
+            "eval.samples=1", "eval.ks=[1]", "run.dynamic_sampling=1"]
     cmd = [sys.executable, "benchmarks/blackbox_learning.py", "--harness", "codex", "--seed", "0", "--out", str(out)]
     for s in sets:
         cmd += ["--set", s]
@@ -38,7 +40,7 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     assert "goal: the paired RL - SFT pass@1 interval lies above 0 in every row:" in r.stdout
 
     from pipeline.core.eventlog import EventLogReader
-    from pipeline.messages import PolicyUpdated, RolloutFinished, RolloutRequest
+    from pipeline.messages import GroupResample, PolicyUpdated, RolloutFinished, RolloutRequest
 
     run_dir = out / "codex-seed0" / "train"
     events = [e.msg for e in EventLogReader(run_dir / "events.msgpack")]
@@ -49,7 +51,12 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     assert {requests[f.rollout_id].harness for f in finished} == {"codex"}
     # the oracle, played through Codex by the scripted engine, solves every demonstration
     assert len(demos) == 4 and all((f.status, f.reward) == ("ok", 1.0) for f in demos), demos
-    assert len(train) == 2 * 2 * 2
+    # 2 steps x 2 slots, each slot's first group flat and replaced once: 8 groups of 2
+    assert len(train) == 2 * 2 * 2 * 2
+    asked = sorted((m.group_id, m.resample) for m in events if isinstance(m, GroupResample))
+    assert asked == [(f"g{j:05d}", 1) for j in range(4)], asked
+    replacements = {(r.group_id, r.resample) for r in requests.values() if r.resample}
+    assert replacements == {(f"g{j:05d}-x1", 1) for j in range(4)}, replacements
     assert [u.step for u in events if isinstance(u, PolicyUpdated)] == [0, 1, 2]  # SFT, then each RL step
 
     # both policies were evaluated through Codex on held-out tasks
@@ -66,6 +73,7 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if m.get("kind") == "rl_step"]
     assert [m["zero_var_frac"] for m in steps] == [1.0, 1.0] and all(m["warnings"] for m in steps)
+    assert sum(m["groups_resampled"] for m in steps) == 4 and [m["groups"] for m in steps] == [2, 2]
 
     # the offline SFT probe reads these demonstrations and trains a fresh policy on them (benchmarks/sft_probe.py)
     probe = subprocess.run([sys.executable, "benchmarks/sft_probe.py", "--log", str(run_dir / "events.msgpack"),

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from pipeline.rollout.harness_space import HarnessConfig, design
-from pipeline.rollout.scheduling import Planner, may_issue, oracle_script
+from pipeline.rollout.scheduling import Planner, may_issue, oracle_script, rollout_requests
 from pipeline.rollout.taskgen import generate_to
 
 
@@ -180,3 +180,24 @@ def test_demonstrations_get_their_own_token_cap(tasks):
     iss.updated(version=1, step=0)
     train = next(i for i in iss.next(max_staleness=1) if i.purpose == "train")
     assert {r.sampling.max_new_tokens for r in rollout_requests(train, iss.settings, version=1)} == {32}
+
+
+def test_dynamic_sampling_replacements_go_out_first_with_their_slot_and_harness(tasks):
+    """A replacement asked for (GroupResample) is issued before any new group, even past the staleness bound (its
+    slot was issued already), as another task than the group it replaces, drawn the same way after a resume."""
+    iss = issuer(tasks, steps=2, groups_per_step=2)
+    assert ids_of(iss.next(max_staleness=0)) == ["g00000", "g00001"]
+    assert iss.resample("g00001", 1) and iss.resample("g00001-x1", 2)
+    assert not iss.done
+    out = iss.next(max_staleness=0)  # step 1 may not go out yet; the replacements may
+    assert ids_of(out) == ["g00001-x1", "g00001-x2"] and [i.resample for i in out] == [1, 2]
+    again = issuer(tasks, steps=2, groups_per_step=2)
+    original = again.next(max_staleness=0)[1]
+    assert all(i.assignment.task.id != original.assignment.task.id for i in out)
+    assert {i.assignment.harness for i in out} == {original.assignment.harness}
+    assert again.resample("g00001", 1)
+    assert again.next(max_staleness=0)[0].assignment.task.id == out[0].assignment.task.id  # seeded by slot
+    assert not iss.resample("g00099", 1)  # not issued by this run
+    assert iss.metrics()["groups_resampled"] == 2
+    reqs = rollout_requests(out[0], iss.settings, version=0)
+    assert {r.resample for r in reqs} == {1} and {r.group_id for r in reqs} == {"g00001-x1"}

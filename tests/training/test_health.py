@@ -152,3 +152,40 @@ async def test_the_learner_actor_warns_when_a_step_cannot_learn(tmp_path):
     assert first.values["zero_var_frac"] == 1.0 and first.values["rollouts_ok"] == 6 and "loss" in first.values
     assert "zero_var_frac" not in second.values and second.values["rollouts_harness_error"] == 4
     assert second.values["groups"] == 0 and second.values["groups_dropped"] == 2
+
+
+def test_replaced_groups_are_counted_and_named_in_the_warning():
+    h = assess(2, [group("a", [0.0, 0.0])], [], resampled=[group("b", [0.0, 0.0]), group("c", [1.0, 1.0])])
+    assert h.values()["groups_resampled"] == 2 and h.cause == "no_reward_spread"
+    assert h.warning().endswith("; 2 groups already replaced (dynamic sampling)")
+    assert "groups_resampled" not in assess(2, [group("a", [0.0, 1.0])], []).values()  # off: not a count of 0
+
+
+@pytest.mark.anyio
+async def test_the_learner_actor_asks_for_a_replacement_of_a_flat_group(tmp_path):
+    """[run].dynamic_sampling = 1: a group without a reward spread is not trained or counted; the actor sends
+    GroupResample for its slot's next group; the replacement, flat too, is past the bound and counted."""
+    import msgspec
+
+    model = tmp_path / "model"
+    tiny_qwen3(3).save_pretrained(model)
+    actor = LearnerActor("learner", LearnerSettings(checkpoint_every=0, threads=1), ActorContext(
+        run_dir=tmp_path / "run", run=RunSection(model=str(model), steps=1, groups_per_step=2, dynamic_sampling=1)))
+    rng = np.random.default_rng(0)
+    threads = torch.get_num_threads()
+    try:
+        async with live(actor) as lv:
+            await lv.inbox.send(tree_group(random_paths(rng, 3), [0.0, 0.0, 0.0], gid="a"))
+            with anyio.fail_after(60):
+                (ask,) = await lv.wait_for("resample", 1)
+            assert (ask.group_id, ask.resample) == ("a", 1)
+            await lv.inbox.send(tree_group(random_paths(rng, 3), [0.0, 1.0, 0.0], gid="b"))
+            flat = msgspec.structs.replace(tree_group(random_paths(rng, 3), [1.0, 1.0, 1.0], gid="a-x1"), resample=1)
+            await lv.inbox.send(flat)
+            with anyio.fail_after(120):
+                (metric,) = await lv.wait_for("metrics", 1)
+                await lv.stopped.wait()
+    finally:
+        torch.set_num_threads(threads)
+    assert metric.values["groups"] == 2 and metric.values["groups_resampled"] == 1
+    assert metric.values["zero_var_groups"] == 1 and metric.warnings == []

@@ -120,3 +120,36 @@ def test_sft_plan_shuffles_each_epoch_with_one_generator():
         want += [(epoch, order[i:i + 2]) for i in range(0, 5, 2)]
     got = [(u.epoch, [g.group_id for g in u.packs]) for u in sft_plan(packs, epochs=3, batch_groups=2, seed=7)]
     assert got == want
+
+
+def spread_group(gid, resample=0, issued=0):
+    return TreeGroup(group_id=gid, task_id="t", harness="h", rollouts=[], packed=EMPTY, issued_version=issued,
+                     resample=resample)
+
+
+def test_dynamic_sampling_replaces_flat_groups_up_to_the_bound_and_counts_the_rest():
+    """Bound 2: a flat group (no reward spread) is replaced twice in its slot, then its third is counted (and
+    trained, flat: the health report says so); groups with a spread, dropped and stale ones count as before."""
+    from pipeline.training.loop import Resample
+
+    loop = LearnerLoop(steps=2, groups_per_step=2, dynamic_sampling=2)
+
+    def rx(g, spread, version=0):
+        return loop.receive(g, version=version, max_staleness=1, spread=spread)
+
+    r = rx(spread_group("g0"), spread=False)
+    assert isinstance(r, Resample) and r.next == 1 and loop.received == 0
+    assert rx(spread_group("g1"), spread=True) is None
+    r = rx(spread_group("g0-x1", resample=1), spread=False)
+    assert isinstance(r, Resample) and r.next == 2
+    s1 = rx(spread_group("g0-x2", resample=2), spread=False)  # the bound is spent: counted
+    assert isinstance(s1, StepReady) and s1.step == 1
+    assert [g.group_id for g in s1.batch] == ["g1", "g0-x2"]
+    assert [g.group_id for g in s1.resampled] == ["g0", "g0-x1"]
+    # step 2: a stale flat group is counted as stale (a replacement would be no fresher), a drop counts
+    assert rx(spread_group("g2", issued=0), spread=False, version=5) is None
+    s2 = rx(drop("g3"), spread=True)
+    assert isinstance(s2, StepReady) and s2.resampled == [] and [g for g, _ in s2.stale] == ["g2"]
+    # off (the default): a flat group is trained as before
+    off = LearnerLoop(steps=1, groups_per_step=1)
+    assert isinstance(off.receive(spread_group("g0"), version=0, max_staleness=1, spread=False), StepReady)
