@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from pipeline.core.config import NonNegInt, Port, PosFloat, PosInt, RunSection, Section
-from pipeline.core.runfiles import run_tag, safe_name
+from pipeline.core.runfiles import SFT_CHECKPOINT, run_tag, safe_name
 from pipeline.core.runtime import Actor
 from pipeline.messages import (
     EngineReady,
@@ -67,6 +67,9 @@ class LearnerSettings(Section):
     # Cold-start SFT on the demonstration packs: passes over all packs, and packs per update.
     sft_epochs: PosInt = 10
     sft_batch_groups: PosInt = 1
+    # SFT updates between cold-start checkpoints (checkpoints/sft00040, the latest only; 0: none): a run killed in
+    # its cold start resumes from there instead of starting over. Removed once the first RL step is checkpointed.
+    sft_checkpoint_every: NonNegInt = 25
     checkpoint_every: NonNegInt = 1  # RL steps between checkpoints (0: only at the end); resume starts from the last
     keep_weights: PosInt = 2  # weight folders kept in runs/<run>/weights
     # CPU threads for the learner's torch ops (0: torch's default, one per core). On a CPU that also runs the
@@ -178,14 +181,7 @@ class LearnerActor(Actor[LearnerSettings]):
             torch.set_num_threads(c.threads)
         self.vocab = load_vocab_table(self.model_dir)
         if self.resume is not None:
-            # Model, optimizer, schedule, RNG, step and version from the checkpoint; the engine gets the weights
-            # at once (an update that trains nothing: empty batch hash). Groups of unfinished steps are re-issued.
-            loop = LearnerLoop.resumed(run.steps, run.groups_per_step, c.checkpoint_every, self.resume.steps_done,
-                                       run.dynamic_sampling)
-            await learner.init(str(self.model_dir), c.rl_stage(run))
-            extra = await learner.load_checkpoint(self.resume.checkpoint)
-            self.log.info("resumed", checkpoint=str(self.resume.checkpoint), steps_done=loop.steps_done)
-            await self._announce_resumed(loop.steps_done, extra.get("announce"))
+            loop = self.loop = await self._resumed(learner)
         else:
             loop = LearnerLoop(run.steps, run.groups_per_step, c.checkpoint_every,
                                dynamic_sampling=run.dynamic_sampling)
@@ -226,6 +222,31 @@ class LearnerActor(Actor[LearnerSettings]):
                     return
         self.log.warning("inputs ended before the last step", steps_done=loop.steps_done, steps=run.steps)
 
+    async def _resumed(self, learner: InProcess | Ranks) -> LearnerLoop:
+        """Continue from the resume's checkpoint: an RL step's, or (killed in the cold start) an SFT checkpoint's."""
+        c, run, res = self.config, self.ctx.run, self.resume
+        assert res is not None
+        loop = LearnerLoop.resumed(run.steps, run.groups_per_step, c.checkpoint_every, res.steps_done,
+                                   run.dynamic_sampling)
+        if res.sft_updates is not None:
+            # The model and optimizer from the SFT checkpoint, the packs from the event log; the rest of the plan
+            # runs now (the scheduler sends no demonstrations again) and publishes the SFT weights, then RL as usual.
+            self.loop = loop
+            await learner.init(str(self.model_dir), c.sft)
+            await learner.load_checkpoint(res.checkpoint)
+            packs = [self._compact(g) for g in res.sft_packs if isinstance(g, TreeGroup)]
+            self.log.info("resumed in the cold start", checkpoint=str(res.checkpoint), sft_updates_done=res.sft_updates,
+                          packs=len(packs))
+            await self._cold_start(ColdStartReady(packs, len(res.sft_packs) - len(packs)), done=res.sft_updates)
+            return loop
+        # Model, optimizer, schedule, RNG, step and version from the checkpoint; the engine gets the weights at
+        # once (an update that trains nothing: empty batch hash). Groups of unfinished steps are re-issued.
+        await learner.init(str(self.model_dir), c.rl_stage(run))
+        extra = await learner.load_checkpoint(res.checkpoint)
+        self.log.info("resumed", checkpoint=str(res.checkpoint), steps_done=loop.steps_done)
+        await self._announce_resumed(loop.steps_done, extra.get("announce"))
+        return loop
+
     def _spread(self, g: TreeGroup | GroupDropped) -> bool:
         """Whether a training group's rewards differ over the rollouts the RL stage scores (dynamic sampling)."""
         if not isinstance(g, TreeGroup) or g.purpose != "train":
@@ -240,7 +261,9 @@ class LearnerActor(Actor[LearnerSettings]):
         packed = msgspec.structs.replace(g.packed, tokens=pack_i32(self.vocab.to_compact(ids(g.packed.tokens))))
         return msgspec.structs.replace(g, packed=packed)
 
-    async def _cold_start(self, ready: ColdStartReady) -> None:
+    async def _cold_start(self, ready: ColdStartReady, done: int = 0) -> None:
+        """SFT on the demonstration packs, then the SFT weights published; ``done``: updates an SFT checkpoint
+        already holds (a resumed cold start continues the same plan after them)."""
         c = self.config
         groups = ready.packs
         demos = sum(len(g.rollouts) for g in groups)
@@ -252,10 +275,18 @@ class LearnerActor(Actor[LearnerSettings]):
             self.log.warning("SFT updates hold fewer packs than learner ranks; some ranks idle in the cold start",
                              packs_per_update=c.sft_batch_groups, ranks=c.processes,
                              fix=f"[{self.name}].sft_batch_groups >= {c.processes}")
-        for update in plan:
+        if done > len(plan):
+            raise ValueError(f"{self.resume and self.resume.checkpoint}: the checkpoint holds {done} SFT updates, but "
+                             f"the cold start's plan has {len(plan)} ([{self.name}].sft_epochs or sft_batch_groups "
+                             "changed since); resume with the run's own settings")
+        for i, update in enumerate(plan[done:], start=done + 1):
             m = await self.learner.sft_step(update.packs)
-            # sft_updates: the plan's length, for the monitor's progress
-            await self._metric(0, {**m, "sft_epoch": update.epoch, "sft_updates": len(plan)}, phase="sft")
+            # sft_update: this update's number (after a resume, the updates past the checkpoint are done again and
+            # their rows written again: the later row counts); sft_updates: the plan's length, for the monitor
+            await self._metric(0, {**m, "sft_epoch": update.epoch, "sft_update": i, "sft_updates": len(plan)},
+                               phase="sft")
+            if c.sft_checkpoint_every and i % c.sft_checkpoint_every == 0 and i < len(plan):
+                await self._sft_checkpoint(i)
         path = await self._publish(0, {"sft_demos": demos}, groups, save=True)  # RL starts from this folder
         assert path is not None
         cfg = msgspec.structs.replace(c.rl_stage(self.ctx.run), initial_version=self.learner.version)
@@ -416,6 +447,21 @@ class LearnerActor(Actor[LearnerSettings]):
             extra["announce"] = msgspec.to_builtins(announce)
         await self.learner.save_checkpoint(path, extra)
         self.log.info("checkpoint saved", path=str(path))
+        self._remove_sft_checkpoints()  # a resume now starts from an RL step
+
+    async def _sft_checkpoint(self, updates: int) -> None:
+        """The cold start after ``updates`` SFT updates (the latest one only is kept)."""
+        assert self.run_dir is not None
+        path = self.run_dir / "checkpoints" / f"{SFT_CHECKPOINT}{updates:05d}"
+        await self.learner.save_checkpoint(path, {"steps_done": 0, "sft_updates": updates})
+        self._remove_sft_checkpoints(keep=path)
+        self.log.info("cold-start checkpoint saved", path=str(path), sft_updates=updates)
+
+    def _remove_sft_checkpoints(self, keep: Path | None = None) -> None:
+        assert self.run_dir is not None
+        for old in (self.run_dir / "checkpoints").glob(f"{SFT_CHECKPOINT}*"):
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
 
     async def _metric(self, step: int, values: dict[str, Any], phase: str,
                       warnings: list[str] | None = None) -> None:

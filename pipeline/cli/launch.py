@@ -21,9 +21,9 @@ import msgspec
 from pipeline.core import config as cfg
 from pipeline.core import logs
 from pipeline.core.eventlog import AsyncEventLog, EventLogReader, EventLogWriter, LogHeader
-from pipeline.core.runfiles import run_tag
+from pipeline.core.runfiles import SFT_CHECKPOINT, run_tag
 from pipeline.core.runtime import Graph, Interrupted, Resolver, Resume, Supervisor, event_loop_name
-from pipeline.messages import SCHEMA_VERSION, ConfigChanged, Metric, PolicyUpdated
+from pipeline.messages import SCHEMA_VERSION, ConfigChanged, GroupDropped, Metric, PolicyUpdated, TreeGroup
 
 
 @dataclass
@@ -140,13 +140,27 @@ def find_resume(run_dir: Path) -> Resume:
                    if re.fullmatch(r"step\d{5}", c.name) and (c / "learner_state.json").is_file())
     for cut in (run_dir / "checkpoints").glob("step*.tmp"):
         shutil.rmtree(cut, ignore_errors=True)
-    if not ckpts:
+    sft = sorted(c for c in (run_dir / "checkpoints").glob(f"{SFT_CHECKPOINT}*")
+                 if re.fullmatch(SFT_CHECKPOINT + r"\d{5}", c.name) and (c / "learner_state.json").is_file())
+    for cut in (run_dir / "checkpoints").glob(f"{SFT_CHECKPOINT}*.tmp"):
+        shutil.rmtree(cut, ignore_errors=True)
+    if not ckpts and not sft:
         raise NoCheckpoint(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
-    last = ckpts[-1]
     count = run_dir / RESUMES_FILE
     attempt = json.loads(count.read_text())["resumes"] + 1 if count.is_file() else 1
     count.write_text(json.dumps({"resumes": attempt}))
+    if not ckpts:  # killed inside the cold start, after one of its checkpoints
+        last = sft[-1]
+        return Resume(checkpoint=last, steps_done=0, attempt=attempt,
+                      sft_updates=int(last.name.removeprefix(SFT_CHECKPOINT)))
+    last = ckpts[-1]
     return Resume(checkpoint=last, steps_done=int(last.name.removeprefix("step")), attempt=attempt)
+
+
+def recorded_packs(log_path: Path) -> list[TreeGroup | GroupDropped]:
+    """The demonstration packs the event log recorded (what the learner's cold start trains on), in order."""
+    return [ev.msg for ev in EventLogReader(log_path)
+            if isinstance(ev.msg, (TreeGroup, GroupDropped)) and ev.msg.purpose == "sft"]
 
 
 class NoCheckpoint(cfg.ConfigError):
@@ -178,9 +192,12 @@ async def resume_experiment(exp: cfg.Experiment, resolve: Resolver, rd: RunDir, 
     await build_model(exp)
     writer = EventLogWriter.reopen(rd.events)
     res.announced, res.metrics_recorded = await anyio.to_thread.run_sync(step_recorded, rd.events, res.steps_done)
+    if res.sft_updates is not None:
+        res.sft_packs = await anyio.to_thread.run_sync(recorded_packs, rd.events)
     log = AsyncEventLog(writer)
     logs.get_logger(actor="run").info("resuming", run_dir=str(rd.path), checkpoint=str(res.checkpoint),
-                                      steps_done=res.steps_done, truncated_bytes=writer.truncated_bytes)
+                                      steps_done=res.steps_done, sft_updates=res.sft_updates,
+                                      truncated_bytes=writer.truncated_bytes)
     sup = Supervisor(exp, resolve, log, config_path=config_path, handle_signals=handle_signals, run_dir=rd.path,
                      resume=res)
     try:

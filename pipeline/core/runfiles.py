@@ -24,6 +24,9 @@ def safe_name(text: str, limit: int) -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "-", text)[:limit]
 
 
+SFT_CHECKPOINT = "sft"  # checkpoints/sft00040: the cold start after 40 SFT updates ([learner].sft_checkpoint_every)
+
+
 def run_tag(run_dir: str | Path | None) -> str:
     """The same on every start of one run folder, different between folders: the folder's name (cut to 24
     characters; Unix socket paths must stay under 108 bytes) and a hash of its absolute path. Without a run folder,

@@ -85,6 +85,10 @@ class Resume:
     # and the announcement; the learner writes it from the checkpoint)
     announced: bool = True
     metrics_recorded: bool = True  # and its metrics row
+    # Killed inside the cold start: the SFT updates its checkpoint holds, and the demonstration packs the event log
+    # recorded (TreeGroup / GroupDropped of purpose "sft"); None: the checkpoint is an RL step's.
+    sft_updates: int | None = None
+    sft_packs: list[Any] = field(default_factory=list)
 
 
 @dataclass

@@ -219,6 +219,56 @@ def test_a_run_killed_during_its_cold_start_resumes_by_starting_over(tmp_path):
     assert leftovers_of(run_dir) == {}
 
 
+def test_a_run_killed_after_a_cold_start_checkpoint_resumes_the_cold_start(tmp_path):
+    """kill -9 during SFT after a cold-start checkpoint: --resume continues the same SFT plan from that checkpoint
+    with the recorded demonstrations (none is played again), publishes the SFT weights once, trains its RL step, and
+    removes the cold-start checkpoint once the RL step's is written."""
+    import os
+    import signal
+    import time
+
+    from pipeline.core.eventlog import EventLogReader
+    from pipeline.messages import PolicyUpdated, RolloutRequest
+    from tests.helpers.leftovers import leftovers_of
+
+    run_dir = tmp_path / "run"
+    sets = [f'run.model="{tmp_path / "model"}"', "experiment.build_model.tasks=60", "scheduler.sft_groups=16",
+            "tree.sft_pack=8", "learner.sft_epochs=40", "learner.sft_checkpoint_every=8", "run.steps=1",
+            "scheduler.group_size=2", "run.groups_per_step=1", "scheduler.tasks.count=4", 'monitor.display="off"']
+    proc = start_quickstart(run_dir, sets)
+    try:
+        t0 = time.monotonic()
+        while not list(run_dir.glob("checkpoints/sft[0-9]*[0-9]")):
+            assert proc.poll() is None, "the run ended before its first cold-start checkpoint"
+            assert time.monotonic() - t0 < 600, "no cold-start checkpoint within 10 minutes"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    (ckpt,) = [c for c in run_dir.glob("checkpoints/sft*") if not c.name.endswith(".tmp")]
+    held = int(ckpt.name.removeprefix("sft"))
+    assert held % 8 == 0 and held < 80  # 2 packs x 40 epochs = 80 updates
+    resumed = ["--resume", str(run_dir)]
+    for s in sets:
+        resumed += ["--set", s]
+    r = run(*resumed)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert not (run_dir / "killed-starts").exists()  # continued, not started over
+    lines = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+    (note,) = [x for x in lines if x.get("event") == "resumed in the cold start"]
+    assert note["sft_updates_done"] == held and note["packs"] == 2
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    done = {int(m["sft_update"]) for m in rows if m["kind"] == "sft_update"}
+    assert done == set(range(1, 81))  # every update of the plan ran; those after the checkpoint possibly twice
+    assert [m["step"] for m in rows if m["kind"] == "rl_step"] == [1]
+    events = list(EventLogReader(run_dir / "events.msgpack"))
+    sent = [e.msg for e in events if isinstance(e.msg, RolloutRequest) and e.src.startswith("scheduler")]
+    assert sum(m.purpose == "sft" for m in sent) == 16  # played once
+    assert [e.msg.step for e in events if isinstance(e.msg, PolicyUpdated)] == [0, 1]
+    assert not list(run_dir.glob("checkpoints/sft*")) and list(run_dir.glob("checkpoints/step00001"))
+    assert leftovers_of(run_dir) == {}
+
+
 def forget_step(run_dir: Path, step: int) -> None:
     """The run folder as a kill between RL step ``step``'s checkpoint and its announcement leaves it: the event log
     and metrics.jsonl without the step's update record and metrics row (the log is rewritten frame by frame)."""
