@@ -67,17 +67,19 @@ def test_help_explains_the_flags():
     assert "configs/NAME.toml" in out
 
 
-def test_sigint_stops_a_running_graph_quickly_with_the_log_intact(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_a_running_graph_quickly_with_the_log_intact(tmp_path, signum):
+    """Ctrl-C, and SIGTERM (what a job scheduler or `docker stop` sends), stop the graph the same way."""
     proc, _exp, sink, run_dir = start(tmp_path)
     try:
         wait_for(lambda: len(sink_rows(sink)) >= 10, what="the graph to run")
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         proc.wait(timeout=2.0)  # the acceptance bound: Ctrl-C ends the graph within 2 s
         elapsed = time.monotonic() - t0
     finally:
         proc.kill()
-    print(f"SIGINT -> exit in {elapsed:.3f} s")
+    print(f"{signal.Signals(signum).name} -> exit in {elapsed:.3f} s")
     assert proc.returncode == 130
     replay = subprocess.run(RUN + ["--replay", str(run_dir / "events.msgpack"), "--json"],
                             capture_output=True, text=True, cwd=ROOT, check=True)
@@ -86,7 +88,8 @@ def test_sigint_stops_a_running_graph_quickly_with_the_log_intact(tmp_path):
     assert s["by_type"]["Note"] >= 2 * 10 - 1
     assert s["by_type"]["ActorStopped"] == 3
     log_lines = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
-    assert any(r["event"].startswith("signal received; stopping the graph") for r in log_lines)
+    assert [r["signal"] for r in log_lines if r["event"].startswith("signal received; stopping the graph")] == [
+        signal.Signals(signum).name]
     assert (run_dir / "config.toml").exists()
 
 

@@ -26,6 +26,7 @@ from pipeline.rollout.judge import (
     build_messages,
     mix_rewards,
     parse_judge_score,
+    workspace_snapshot,
 )
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend, LocalSettings
 from pipeline.rollout.taskgen import generate
@@ -319,3 +320,17 @@ def test_the_key_comes_only_from_the_environment(server, monkeypatch):
     j = Judge(settings(server, "score:1"))
     assert KEY not in repr(j) and KEY not in repr(j.settings) and KEY_ENV in repr(j.settings)
     assert os.environ[KEY_ENV] == KEY
+
+
+def test_the_judge_reads_only_the_head_of_a_huge_file(tmp_path):
+    """What the judge sees of a 1 GiB file (sparse) is its first max_file_chars characters; the read is capped, the
+    file's size costs nothing."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    with (ws / "huge.txt").open("wb") as f:
+        f.write(b"HEAD" * 100)
+        f.truncate(1 << 30)
+    (ws / "small.txt").write_text("ok")
+    snap = workspace_snapshot(ws, max_chars=10_000, max_file_chars=200)
+    assert "=== huge.txt ===\n" + "HEAD" * 50 + "\n" in snap and "=== small.txt ===\nok\n" in snap
+    assert len(snap) < 400

@@ -161,6 +161,23 @@ def test_checker_reads_no_link(tmp_path):
     assert anyio.run(run_verifier_local, t, ws).reward == 1.0
 
 
+
+def test_checker_refuses_a_workspace_file_over_its_cap_unread(tmp_path):
+    """A 16 MiB + 1 answer file (sparse: it costs no disk) is refused by size, before a byte of it is read."""
+    from pipeline.rollout.taskgen.check_template import FILE_CAP
+
+    t = materialize(generate("create_file", 3), tmp_path / "t")
+    action = t.oracle_actions[0].args
+    ws = seed_workspace(t, tmp_path / "ws")
+    answer = ws / action["path"]
+    answer.parent.mkdir(parents=True, exist_ok=True)
+    with answer.open("wb") as f:
+        f.write(b"CANARY-7f3a " + action["content"].encode())
+        f.truncate(FILE_CAP + 1)
+    r = anyio.run(run_verifier_local, t, ws)
+    assert (r.status, r.reward) == ("ok", 0.0), r
+    assert f"{FILE_CAP + 1} bytes, more than {FILE_CAP}" in r.stdout_tail and "CANARY" not in r.stdout_tail, r
+
 PROBE = """
 import json, os
 seen = {"uid": os.getuid(), "env": sorted(os.environ), "cwd": os.getcwd()}
