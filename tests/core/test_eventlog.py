@@ -1,6 +1,7 @@
 """Event log: write/read, a cut last frame, damage detected by the frame checks, schema-1 logs, offsets, the tap."""
 
 import random
+import re
 import struct
 import zlib
 
@@ -139,23 +140,28 @@ def test_a_flipped_length_bit_is_damage_and_resume_does_not_truncate(tmp_path):
     assert p.read_bytes() == bytes(data)
 
 
-def test_random_overwrites_never_replay_silently(tmp_path):
-    """64 random bytes written over a random place: either the reader raises, or (inside the last frame only) it
-    stops before that frame; it never yields a message that was not written."""
+def test_random_overwrites_never_replay_silently_and_name_the_damaged_frame(tmp_path):
+    """64 random bytes written over a random place: either the reader raises naming the byte offset of a frame the
+    damage touched, or (inside the last frame only) it stops before that frame; it never yields a message that was
+    not written."""
     p = tmp_path / "events.msgpack"
     msgs = [Note(seq=i, value="z" * 40) for i in range(60)]
     write(p, msgs)
     clean = p.read_bytes()
-    first_event = frames(clean)[1][0]
+    spans = [(off, off + HEAD + n) for off, n in frames(clean)]
+    first_event = spans[1][0]
     rng = random.Random(7)
-    for _ in range(40):
+    for _ in range(200):
         data = bytearray(clean)
         at = rng.randrange(first_event, len(data) - 64)
         data[at:at + 64] = rng.randbytes(64)
         p.write_bytes(bytes(data))
         try:
             got = [e.msg for e in EventLogReader(p)]
-        except EventLogError:
+        except EventLogError as e:
+            named = [int(x) for x in re.findall(r"frame at byte (\d+)", str(e))]
+            touched = {start for start, end in spans if start < at + 64 and end > at}
+            assert named and named[0] in touched, (at, str(e))
             continue
         assert got == msgs[:len(got)] and len(got) < len(msgs)
 
