@@ -129,6 +129,13 @@ def test_bad_config_exits_2_with_a_clear_message(tmp_path):
     r = subprocess.run(RUN + ["--experiment", "toy", "--set", "source.count=x"], capture_output=True, text=True,
                        cwd=ROOT, check=False)
     assert r.returncode == 2 and "--set source.count=x" in r.stderr
+    # a missing task folder: one line naming the file, the field and what to give instead, no traceback
+    r = subprocess.run(RUN + ["--experiment", "quickstart", "--validate", "--set", 'scheduler.tasks.tasks="/no/such"'],
+                       capture_output=True, text=True, cwd=ROOT, check=False)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.strip().splitlines() == [
+        f"error: {ROOT / 'configs' / 'quickstart.toml'}: [scheduler].tasks: task folder '/no/such' does not exist "
+        "(give a folder of Harbor task folders, or builtin:FAMILY)"], r.stderr
 
 
 def test_run_then_replay_summary_and_stage(tmp_path):
