@@ -133,9 +133,9 @@ def test_bad_config_exits_2_with_a_clear_message(tmp_path):
     r = subprocess.run(RUN + ["--experiment", "quickstart", "--validate", "--set", 'scheduler.tasks.tasks="/no/such"'],
                        capture_output=True, text=True, cwd=ROOT, check=False)
     assert r.returncode == 2 and r.stdout == "", r.stdout
-    assert r.stderr.strip().splitlines() == [
-        f"error: {ROOT / 'configs' / 'quickstart.toml'}: [scheduler].tasks: task folder '/no/such' does not exist "
-        "(give a folder of Harbor task folders, or builtin:FAMILY)"], r.stderr
+    expected = (f"error: {ROOT / 'configs' / 'quickstart.toml'}: [scheduler].tasks: task folder '/no/such' does not "
+                "exist (give a folder of Harbor task folders, or builtin:FAMILY)")
+    assert r.stderr.strip().splitlines() == [expected], r.stderr
 
 
 def test_run_then_replay_summary_and_stage(tmp_path):
