@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import tempfile
@@ -12,12 +13,13 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
+import structlog
 
 from pipeline.core.runfiles import marked_pids
 from pipeline.core.runtime import _EMERGENCY, emergency_stop
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.harnesses import HARNESSES, find_binary
-from pipeline.rollout.sandbox import LocalBackend, LocalSettings
+from pipeline.rollout.sandbox import LocalBackend, LocalSettings, local
 from pipeline.rollout.sandbox.local import MARKER_RUN
 from pipeline.rollout.sandbox.util import rollout_dir
 from pipeline.rollout.scheduling import oracle_script
@@ -247,3 +249,34 @@ async def test_real_harness_local_scores_one(tmp_path, harness, family):
     # the harness echoes every scripted call as it was sampled: the demonstration is history token for token
     assert [c.rendered_turns for c in calls] == [0] * len(calls)
     assert leftovers(b) == []
+
+
+async def test_without_pid_namespaces_the_local_backend_says_at_start_that_it_is_not_for_untrusted_policies(
+        tmp_path, monkeypatch):
+    """Where PID namespaces cannot be made (not root), the local backend cannot end what a harness left running:
+    it says so once at start, naming the Docker backend; where they can, it says nothing."""
+    probe = local._pid_namespaces_work
+    said = {}
+    for works in (False, True):
+        monkeypatch.setattr(local, "_pid_namespaces_work", lambda works=works: works)
+        b = LocalBackend(LocalSettings(workdir=str(tmp_path / "work")))
+        with structlog.testing.capture_logs() as lines:
+            await b.start()
+            await b.aclose()
+        said[works] = [x["event"] for x in lines if x["log_level"] == "warning"]
+    assert len(said[False]) == 1 and "Use the docker backend for policies you do not trust" in said[False][0]
+    assert said[True] == []
+    # the probe itself: as root here PID namespaces work; the sandbox's unprivileged user cannot make one
+    if os.geteuid() == 0:
+        assert await anyio.to_thread.run_sync(probe)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 4
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                code = 3 if probe() else 0
+            finally:
+                os._exit(code)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
