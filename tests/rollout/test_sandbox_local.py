@@ -269,14 +269,21 @@ async def test_without_pid_namespaces_the_local_backend_says_at_start_that_it_is
     # the probe itself: as root here PID namespaces work; the sandbox's unprivileged user cannot make one
     if os.geteuid() == 0:
         assert await anyio.to_thread.run_sync(probe)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            code = 4
-            try:
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
-                code = 3 if probe() else 0
-            finally:
-                os._exit(code)
-        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert await anyio.to_thread.run_sync(_as_nobody, probe) is False
+
+
+def _as_nobody(fn):
+    """``fn()``'s truth in a forked child running as uid/gid 65534."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 4
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            code = 0 if fn() else 3
+        finally:
+            os._exit(code)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    assert code in (0, 3), f"the child failed ({code})"
+    return code == 0
