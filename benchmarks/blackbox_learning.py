@@ -57,6 +57,9 @@ class Row:
     trainable: int = 0
     sampled: int = 0
     statuses: Counter[str] = field(default_factory=Counter)
+    # output tokens and model calls per RL rollout, by outcome: with a token-mean loss, failures that run longer
+    # weigh more than the successes they are compared with
+    per_outcome: dict[bool, list[tuple[int, int]]] = field(default_factory=lambda: {True: [], False: []})
     error: str = ""
 
 
@@ -128,6 +131,8 @@ def training_facts(run_dir: Path, row: Row) -> None:
         st = build_tree(s, TreeOptions()).stats
         row.trainable += st.tokens_trainable
         row.sampled += st.tokens_output
+        if s.finished.status == "ok":
+            row.per_outcome[s.finished.reward > 0].append((st.tokens_output, len(s.calls)))
 
 
 def measure(base: Path, harness: str, seed: int, sets: list[str], run: bool) -> Row:
@@ -161,9 +166,17 @@ def _num(x: float | None, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _lengths(xs: list[tuple[int, int]]) -> str:
+    """Mean output tokens and calls of a set of rollouts, and how many; "n/a (0)" for none."""
+    if not xs:
+        return "n/a (0)"
+    return f"{sum(t for t, _ in xs) / len(xs):.0f}, {sum(c for _, c in xs) / len(xs):.1f} ({len(xs)})"
+
+
 def table(rows: list[Row]) -> str:
     head = ("| harness | seed | SFT pass@1 [95 %] | RL pass@1 [95 %] | RL - SFT, paired [95 %] | reward first 5 | "
-            "reward last 5 | RL steps | wall min | trainable / sampled tokens | RL rollouts by status |")
+            "reward last 5 | RL steps | wall min | trainable / sampled tokens | RL rollouts by status | "
+            "tokens, calls per rollout: solved / unsolved |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         if r.error and r.diff is None:
@@ -173,7 +186,8 @@ def table(rows: list[Row]) -> str:
         share = f"{r.trainable:,} / {r.sampled:,}" + (f" ({100 * r.trainable / r.sampled:.0f} %)" if r.sampled else "")
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(r.statuses.items())) or "none"
         lines.append(f"| {r.harness} | {r.seed} | {_est(r.sft)} | {_est(r.rl)} | {diff} | {_num(r.first5, '.3f')} | "
-                     f"{_num(r.last5, '.3f')} | {r.steps} | {_num(r.wall_min, '.0f')} | {share} | {statuses} |")
+                     f"{_num(r.last5, '.3f')} | {r.steps} | {_num(r.wall_min, '.0f')} | {share} | {statuses} | "
+                     f"{_lengths(r.per_outcome[True])} / {_lengths(r.per_outcome[False])} |")
     return "\n".join(lines)
 
 

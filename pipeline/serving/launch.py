@@ -269,6 +269,8 @@ async def launch_embedded(
         dtype,
         "--prefix-cache-mb",
         str(prefix_cache_mb),
+        "--parent-pid",  # the engine stops once this process is gone, also if killed while the engine loads
+        str(os.getpid()),
     ]
     if context_length:
         cmd += ["--context-length", str(context_length)]

@@ -51,6 +51,7 @@ from pipeline.serving.sglang_client import HttpEngine
 log = get_logger(actor="proxy_workers")
 
 _LEN = struct.Struct("<I")
+READER_GRACE_S = 10.0  # a channel found gone is left this long to the watch that reports its worker (ProxyWorkers)
 MAX_FRAME = 1 << 30  # a ModelCall of a 32k context is ~0.3 MB; anything near this is a broken stream
 
 
@@ -224,11 +225,20 @@ class ProxyWorkers:
                     await w.writer.drain()
                 return
         except (ConnectionError, TimeoutError) as e:
+            if isinstance(e, ConnectionError) and not self._closing:
+                await self._leave_it_to_the_watch()
             if not self._closing:
                 raise self._died(w, f"its control channel failed ({e!r})") from None
         # The workers are being stopped (the run is stopping, or one died and :meth:`run` is about to raise): that
         # ends the caller too, with one error for the run rather than one per channel.
         await anyio.sleep_forever()
+
+    async def _leave_it_to_the_watch(self) -> None:
+        """A channel found gone: its worker's reader (or, while they start, :meth:`_watch_start`) sees it too and
+        reports the worker with its exit code. Left to it, the run fails with one error; raised here as well, the
+        crash named only "unhandled errors in a TaskGroup (2 sub-exceptions)", or an IncompleteReadError during a
+        handshake. The caller reports it itself if nothing has within :data:`READER_GRACE_S`."""
+        await anyio.sleep(READER_GRACE_S)
 
     def _died(self, w: _Worker, what: str) -> WorkerDied:
         return WorkerDied(f"proxy worker {w.index}: {what}; log {w.log_path}:\n{_tail(w.log_path)}")
@@ -266,13 +276,22 @@ class ProxyWorkers:
                 task_status.started()
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        hello = await read_frame(reader.readexactly, FROM_WORKER)
+        try:
+            hello = await read_frame(reader.readexactly, FROM_WORKER)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            await self._leave_it_to_the_watch()
+            raise WorkerDied(f"a proxy worker closed its control channel before saying which it is "
+                             f"({type(e).__name__})") from None
         if not isinstance(hello, Hello) or not 0 <= hello.worker < len(self.workers):
             raise FrameError(f"expected Hello from a worker, got {hello!r}")
         w = self.workers[hello.worker]
         w.reader, w.writer, w.pid = reader, writer, hello.pid
         await self._send(w, msgspec.structs.replace(self.setup, proxy=w.settings))
-        ready = await read_frame(reader.readexactly, FROM_WORKER)
+        try:
+            ready = await read_frame(reader.readexactly, FROM_WORKER)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            await self._leave_it_to_the_watch()
+            raise self._died(w, f"closed its control channel in its handshake ({type(e).__name__})") from None
         if not isinstance(ready, Ready):
             raise FrameError(f"expected Ready from proxy worker {w.index}, got {ready!r}")
         w.endpoint = ProxyEndpoint(worker=w.index, base_url=ready.base_url, unix_socket=ready.unix_socket)

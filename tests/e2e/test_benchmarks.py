@@ -1,5 +1,5 @@
 """The benchmarks keep working: the proxy benchmark's throughput model on hand-checked cases and a short real
-run end to end, and short runs of the harness and engine prefix-cache benchmarks.
+run end to end, and short runs of the harness and engine prefix-cache benchmarks and of the fault campaign.
 
 No timing is asserted (these machines are noisy); the run checks that every path answered every request and that
 every table and verdict is printed.
@@ -241,3 +241,27 @@ def test_dynamic_sampling_short_run(tmp_path):
     replaced = int(on[3])
     assert int(on[4]) == int(off[4]) + 2 * replaced  # each replacement is one more group of 2 rollouts
     assert "on - off, paired" in proc.stdout and next(ln for ln in proc.stdout.splitlines() if ln.startswith("| 0 |"))
+
+
+@pytest.mark.slow
+def test_fault_campaign_short_run(tmp_path):
+    """benchmarks/faults.py with two faults, kill -9 of run.py (then --resume) and of a sandbox, from the random
+    initial model (no prepared policy): each run finishes, every invariant holds, and the table says so."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--faults", "2", "--kinds", "runpy,sandbox",
+         "--steps", "3", "--prep-demos", "0", "--set", "experiment.build_model.tasks=60", "--out", str(tmp_path),
+         "--json", str(tmp_path / "faults.json")],
+        cwd=str(ROOT), capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:6]]
+            for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert rows["kill -9 run.py"][:3] == ["1", "1", "0"]  # injected, survived, lost
+    assert rows["kill -9 sandbox"][:3] == ["1", "1", "0"]
+    assert rows["total"][:3] == ["2", "2", "0"]
+    results = json.loads((tmp_path / "faults.json").read_text())["results"]
+    # a measurement, not a claim: each run was checked (its report is there) and the sandbox's rollout failed
+    assert all(r["reports"] and not any(rep["findings"] for rep in r["reports"]) for r in results)
+    (sandbox,) = [f for r in results for f in r["faults"] if f["kind"] == "sandbox"]
+    assert sandbox["target"].endswith(("-> harness_error", "-> sandbox_error")), sandbox

@@ -10,6 +10,7 @@ Codex binary is missing.
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,8 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     # a barely trained policy names no file and word right (chance: under 1 in 800 per rollout), so every reward is
     # 0 and every RL step is reported as one without a learning signal, in the log and the metrics
     assert all(f.status == "ok" and f.reward == 0.0 for f in train), [(f.status, f.reward) for f in train]
+    # the row's last cell: no solved rollout to measure ("n/a"), the 16 unsolved ones' mean tokens and calls
+    assert re.search(r"\| n/a \(0\) / \d+, \d+\.\d \(16\) \|$", row), row
     lines = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
     causes = {x.get("step"): x.get("cause") for x in lines if x.get("level") == "warning" and x.get("cause")}
     assert causes.get(1) == causes.get(2) == "no_reward_spread", causes

@@ -18,11 +18,19 @@ from pathlib import Path
 
 from tests.helpers.ci import require
 
+_GIVEN: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, never one this process handed out before: a node's ports are picked before any is bound, so
+    the kernel may offer the same free port twice (ray start then refuses: "used by other components")."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 @dataclass
@@ -114,12 +122,20 @@ def start_cluster(slots: int = 4) -> Cluster:
     worker = None
     try:
         _wait_nodes(address, 1, head)
-        worker = _start("worker", ["--address", address, "--resources", json.dumps({"bridle_docker": slots, "node_worker": 1})], env)
+        worker = start_worker(address, slots)
         _wait_nodes(address, 2, worker)
     except BaseException:
         Cluster(address, head, worker or head).stop()
         raise
     return Cluster(address=address, head=head, worker=worker)
+
+
+def start_worker(address: str, slots: int) -> Node:
+    """A worker node joining the cluster at ``address`` with ``slots`` units of bridle_docker and the resource
+    node_worker (also a fresh one in place of a worker that was killed)."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    return _start("worker", ["--address", address, "--resources",
+                             json.dumps({"bridle_docker": slots, "node_worker": 1})], env)
 
 
 def _node_ip() -> str:

@@ -7,10 +7,17 @@ pi_old), including requests decoded in a padded batch and requests that straddle
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import aiohttp
 import anyio
@@ -25,6 +32,7 @@ from pipeline.serving.launch import launch_embedded
 from pipeline.serving.sglang_client import HttpEngine, generate_body, parse_generate
 
 pytestmark = pytest.mark.slow  # every test starts the engine process
+ROOT = Path(__file__).resolve().parents[2]
 
 CONTEXT = 512
 WORDS = list(range(2000, 2090))
@@ -474,6 +482,64 @@ def test_a_restart_replaces_the_port_file_a_crashed_engine_left(tmp_path):
         assert not stale.exists()  # and gone after a clean stop
 
     anyio.run(main)
+
+
+LAUNCHER = """
+import sys, anyio
+from pathlib import Path
+from pipeline.serving.launch import launch_embedded
+async def main():
+    async with launch_embedded(sys.argv[1], threads=1, timeout_s=120, log_path=Path(sys.argv[2])):
+        await anyio.sleep_forever()
+anyio.run(main)
+"""
+
+
+def _engine_child(parent: int) -> int | None:
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if ppid == parent and b"pipeline.serving.embedded" in cmd:
+                return int(d.name)
+    return None
+
+
+def test_an_engine_whose_launcher_is_killed_while_it_starts_stops_by_itself(tmp_path):
+    """kill -9 of the launcher (run.py) while the engine imports and loads its model: the engine took its parent's
+    pid only once it served, by then init's, and so served for ever (the fault campaign, benchmarks/faults.py,
+    found one 150 s after its run had been resumed). It now knows its launcher from the start, stops by itself and
+    publishes no port (which the launcher's next start could read as its own engine's)."""
+    from pipeline.cli.invariants import process_start
+
+    model = create_small_model(tmp_path / "m", seed=0, vocab=VocabTable.from_sequences([WORDS]), hidden_size=32,
+                               num_layers=1, num_heads=2, num_kv_heads=1)
+    log = tmp_path / "engine-embedded.log"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(model), str(log)], cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    engine = None
+    try:
+        deadline = time.monotonic() + 60
+        while engine is None and time.monotonic() < deadline and launcher.poll() is None:
+            engine = _engine_child(launcher.pid)
+            time.sleep(0.05)
+        assert engine is not None, "the launcher started no engine"
+    finally:
+        launcher.kill()
+        launcher.wait()
+    try:
+        deadline = time.monotonic() + 90
+        while process_start(engine) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert process_start(engine) is None, "the engine outlived its launcher"
+        assert not (tmp_path / "engine-embedded.log.port" / "port").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine, signal.SIGKILL)
+    assert "parent process exited" in log.read_text()
 
 
 def test_model_info_names_device_and_dtype(engine):

@@ -1,6 +1,7 @@
 """Proxy workers (pipeline/serving/proxy_workers.py): the control frames, then real worker processes routing,
 serving and refusing rollouts, and a dead worker failing the run with its log."""
 
+import asyncio
 import os
 import signal
 import tempfile
@@ -157,6 +158,68 @@ async def test_a_worker_that_dies_fails_the_run_with_its_log(tmp_path):
         died = [e for e in group.exceptions if isinstance(e, WorkerDied)]
         group = next((e for e in group.exceptions if isinstance(e, BaseExceptionGroup)), None)
     assert died and "proxy worker 1" in str(died[0]) and "last words" in str(died[0]), caught.value.exceptions
+
+
+class _Channel:
+    """A worker's control channel as the actor writes it; ``dead``: the worker died, draining finds it gone."""
+
+    def __init__(self, dead: bool) -> None:
+        self.dead = dead
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        if self.dead:
+            raise ConnectionResetError("Connection lost")
+
+
+async def _ignore(msg) -> None:
+    pass
+
+
+def _bare_pool(tmp_path) -> ProxyWorkers:
+    """Two workers' bookkeeping, no processes."""
+    setup = Setup(proxy=ProxySettings(), renderer=EngineSettings(), engine_url="", control_urls=[],
+                  generate_timeout_s=1, policy_version=0)
+    return ProxyWorkers(2, ProxySettings(), setup, _ignore, control_dir=str(tmp_path), log_dir=tmp_path)
+
+
+@pytest.mark.anyio
+async def test_a_send_on_a_dead_channel_leaves_the_report_to_the_watch(tmp_path, monkeypatch):
+    """A send that found a dead worker's channel raised its own WorkerDied beside the reader's ("exited with code
+    -9"): the run's crash then said only "unhandled errors in a TaskGroup (2 sub-exceptions)" (the fault campaign,
+    benchmarks/faults.py, hit it on 2 of 2 proxy-worker kills). It now leaves the report to the worker's reader
+    (cancelled by it), and reports the worker itself only if nothing has within the grace."""
+    p = _bare_pool(tmp_path)
+    w = p.workers[1]
+    w.writer = _Channel(dead=True)  # type: ignore[assignment]
+    p.owner["r"] = w
+    with anyio.move_on_after(1) as waiting:
+        await p.forget("r")
+    assert waiting.cancelled_caught  # still leaving it to the reader: one error for the run
+    monkeypatch.setattr("pipeline.serving.proxy_workers.READER_GRACE_S", 0.1)
+    p.owner["r"] = w
+    with pytest.raises(WorkerDied, match="proxy worker 1: its control channel failed"), anyio.fail_after(5):
+        await p.forget("r")
+
+
+@pytest.mark.anyio
+async def test_a_worker_that_dies_in_its_handshake_is_named(tmp_path, monkeypatch):
+    """A worker killed between its Hello and its Ready failed the run with "IncompleteReadError: 0 bytes read on a
+    total of 4 expected bytes", naming no worker (the fault campaign). The start watch reports an exited worker
+    with its exit code; failing that, the handshake names the worker."""
+    monkeypatch.setattr("pipeline.serving.proxy_workers.READER_GRACE_S", 0.1)
+    p = _bare_pool(tmp_path)
+    said_hello = asyncio.StreamReader()
+    said_hello.feed_data(bytes(encode_frame(Hello(worker=1, pid=7))))
+    said_hello.feed_eof()
+    with pytest.raises(WorkerDied, match="proxy worker 1: closed its control channel in its handshake"):
+        await p._handshake(said_hello, _Channel(dead=False))  # type: ignore[arg-type]
+    silent = asyncio.StreamReader()
+    silent.feed_eof()
+    with pytest.raises(WorkerDied, match="a proxy worker closed its control channel before saying which it is"):
+        await p._handshake(silent, _Channel(dead=False))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("extra", "match"), [

@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         default=DEFAULT_PREFIX_CACHE_MB,
         help="MiB of KV the prefix cache may hold (0 = off): prompts reuse the KV of the longest prefix computed before",
     )
+    p.add_argument("--parent-pid", type=int, default=0,
+                   help="stop once this process (the launcher) is gone; 0: its parent when it starts")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     configure(level=args.log_level)

@@ -508,10 +508,31 @@ def _publish_port(port_file: str, port: int) -> None:
     tmp.replace(port_file)
 
 
+async def _orphan_watch(parent: int, stop: asyncio.Event) -> None:
+    """Set ``stop`` once ``parent`` (the process that launched the engine) is gone.
+
+    The engine runs in its own session; if whoever started it is killed (kill -9), nobody will stop it. Nothing
+    signals a parent's exit to its child (PR_SET_PDEATHSIG fires when the spawning *thread* ends), so poll once a
+    second: getppid() changes only when the parent has gone. ``parent`` is the launcher's own pid (``--parent-pid``),
+    so a launcher killed before this process got this far (its imports, the model load) is noticed too."""
+    while os.getppid() == parent:  # noqa: ASYNC110 — nothing to wait on (above)
+        await asyncio.sleep(1.0)
+    log.warning("parent process exited; shutting down", parent=parent)
+    stop.set()
+
+
 async def serve(args: argparse.Namespace) -> None:
     """Load the model, start the decode thread and the HTTP server; serve until SIGTERM/SIGINT or orphaned."""
+    parent = getattr(args, "parent_pid", 0) or os.getppid()
+    stop = asyncio.Event()
+    # watched from the start: a launcher killed while the model loads must not leave an engine serving for ever
+    watch = asyncio.create_task(_orphan_watch(parent, stop))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     runner = await asyncio.to_thread(ModelRunner, Path(args.model), dtype, args.context_length, args.device)
+    if os.getppid() != parent:  # no port is published for a launcher that is gone (nor read by its next start)
+        watch.cancel()
+        log.warning("parent process exited while the model loaded; not serving", parent=parent)
+        return
     batcher = Batcher(runner, version=args.weight_version, max_running=args.max_running_requests,
                       prefix_cache_bytes=args.prefix_cache_mb << 20)
     batcher.thread.start()
@@ -535,24 +556,9 @@ async def serve(args: argparse.Namespace) -> None:
         prefix_cache_mb=args.prefix_cache_mb,
         prefix_cache_tokens=(args.prefix_cache_mb << 20) // runner.kv_bytes_per_token,
     )
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    parent = os.getppid()
-
-    async def orphan_watch() -> None:
-        # The engine runs in its own session; if whoever started it is killed (kill -9), nobody will stop it.
-        # Nothing signals a parent's exit to its child (PR_SET_PDEATHSIG fires when the spawning *thread* ends),
-        # so poll once a second: getppid() changes only when the parent has gone.
-        while True:
-            await asyncio.sleep(1.0)
-            if os.getppid() != parent:
-                break
-        log.warning("parent process exited; shutting down")
-        stop.set()
-
-    watch = asyncio.create_task(orphan_watch())
     await stop.wait()
     watch.cancel()
     batcher.submit(Stop())
