@@ -11,6 +11,7 @@ from actors.proxy import ProxyActor, ProxyActorSettings
 from pipeline.core.runfiles import remove_prefixed, remove_tree, run_tag
 from pipeline.core.runtime import ActorContext
 from tests.helpers.ci import require
+from tests.helpers.users import as_nobody
 
 
 def test_run_tag_is_stable_per_folder_and_differs_between_folders(tmp_path, monkeypatch):
@@ -56,22 +57,6 @@ def test_a_restart_of_the_run_removes_the_proxy_socket_folder_a_crash_left(tmp_p
         remove_prefixed(tempfile.gettempdir(), f"bridle.sock-{run_tag(run)}_")
 
 
-def _as_nobody(fn) -> int:
-    """Run ``fn()`` in a forked child as uid/gid 65534 (root bypasses the permissions under test); its exit code."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 4
-        try:
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            code = 0 if fn() else 3
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
 def test_remove_tree_removes_folders_the_policy_made_unwritable_or_unsearchable():
     """The sandbox user owns its workspace and can chmod it: a folder without write or search permission stops a
     plain ``rm -rf`` of its owner, so remove_tree's ``chmod -R u+rwx`` retry is what removes it."""
@@ -90,9 +75,9 @@ def test_remove_tree_removes_folders_the_policy_made_unwritable_or_unsearchable(
             os.chmod(t / "unwritable", 0o555)
             os.chmod(t / "unsearchable", 0o600)
         # control: the owner's own plain removal fails on both folders
-        assert _as_nobody(lambda: subprocess.run(["rm", "-rf", str(trees[0])], check=False).returncode == 0) == 3
+        assert as_nobody(lambda: subprocess.run(["rm", "-rf", str(trees[0])], check=False).returncode == 0) is False
         assert (trees[0] / "unwritable" / "deep").exists() and (trees[0] / "unsearchable").exists()
-        assert _as_nobody(lambda: remove_tree(trees[1])) == 0
+        assert as_nobody(lambda: remove_tree(trees[1])) is True
         assert not os.path.lexists(trees[1])
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=False)

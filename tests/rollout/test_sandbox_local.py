@@ -29,6 +29,7 @@ from pipeline.serving.scripted import Script, ScriptCall, ScriptResponse
 from tests.helpers.ci import require
 from tests.helpers.poll import until
 from tests.helpers.proxyutil import running_proxy
+from tests.helpers.users import as_nobody
 
 pytestmark = pytest.mark.anyio
 FORWARDER = Path(__file__).resolve().parents[2] / "harness_images" / "base" / "forwarder.py"
@@ -269,21 +270,5 @@ async def test_without_pid_namespaces_the_local_backend_says_at_start_that_it_is
     # the probe itself: as root here PID namespaces work; the sandbox's unprivileged user cannot make one
     if os.geteuid() == 0:
         assert await anyio.to_thread.run_sync(probe)
-        assert await anyio.to_thread.run_sync(_as_nobody, probe) is False
+        assert await anyio.to_thread.run_sync(as_nobody, probe) is False
 
-
-def _as_nobody(fn):
-    """``fn()``'s truth in a forked child running as uid/gid 65534."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 4
-        try:
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            code = 0 if fn() else 3
-        finally:
-            os._exit(code)
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    assert code in (0, 3), f"the child failed ({code})"
-    return code == 0
