@@ -11,7 +11,9 @@ SFT on them, then GRPO through it; every policy folder kept), then `run.py --eva
 and of the final policy (RL) on `[eval]`'s held-out tasks through the same harness, and the paired difference over
 the (task, harness) pairs both measured, as `run.py --compare` computes it. The row also says what the run did:
 the mean reward of the first and last 5 RL steps, wall minutes, the RL rollouts' trainable tokens against the
-tokens they sampled, and their statuses.
+tokens they sampled, their statuses, the output tokens and calls of solved and unsolved rollouts, and what the first
+call of each unsolved rollout produced (a tool call the harness ran, a malformed call, a plain answer): where a
+harness does not learn, the evidence starts there.
 
 Goal (issue "learns through each real harness"): the paired RL - SFT pass@1 interval lies above 0 for every row.
 Exits 1 when a row misses it (or a run fails). Harnesses and seeds run one after another: each run uses the whole
@@ -60,6 +62,9 @@ class Row:
     # output tokens and model calls per RL rollout, by outcome: with a token-mean loss, failures that run longer
     # weigh more than the successes they are compared with
     per_outcome: dict[bool, list[tuple[int, int]]] = field(default_factory=lambda: {True: [], False: []})
+    # what the first model call of each unsolved RL rollout produced, as the proxy parsed it (CallTrace.output): a
+    # tool call the harness ran (so the arguments were wrong), a malformed call, a plain answer, nothing
+    unsolved_first: Counter[str] = field(default_factory=Counter)
     error: str = ""
 
 
@@ -133,6 +138,16 @@ def training_facts(run_dir: Path, row: Row) -> None:
         row.sampled += st.tokens_output
         if s.finished.status == "ok":
             row.per_outcome[s.finished.reward > 0].append((st.tokens_output, len(s.calls)))
+            if s.finished.reward <= 0:
+                row.unsolved_first[_first_output(s)] += 1
+
+
+def _first_output(s) -> str:
+    main = sorted((c for c in s.calls if c.label == "main"), key=lambda c: c.seq)
+    if not main:
+        return "no call"
+    trace = main[0].trace
+    return "untraced" if trace is None else {"tool_calls": "tool call"}.get(trace.output, trace.output)
 
 
 def measure(base: Path, harness: str, seed: int, sets: list[str], run: bool) -> Row:
@@ -173,10 +188,18 @@ def _lengths(xs: list[tuple[int, int]]) -> str:
     return f"{sum(t for t, _ in xs) / len(xs):.0f}, {sum(c for _, c in xs) / len(xs):.1f} ({len(xs)})"
 
 
+def _shares(counts: Counter[str]) -> str:
+    """How many rollouts of each kind, most first, and of all; "n/a (0)" for none."""
+    n = sum(counts.values())
+    if not n:
+        return "n/a (0)"
+    return ", ".join(f"{k} {v}" for k, v in counts.most_common()) + f" ({n})"
+
+
 def table(rows: list[Row]) -> str:
     head = ("| harness | seed | SFT pass@1 [95 %] | RL pass@1 [95 %] | RL - SFT, paired [95 %] | reward first 5 | "
             "reward last 5 | RL steps | wall min | trainable / sampled tokens | RL rollouts by status | "
-            "tokens, calls per rollout: solved / unsolved |")
+            "tokens, calls per rollout: solved / unsolved | unsolved: first call |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         if r.error and r.diff is None:
@@ -187,7 +210,8 @@ def table(rows: list[Row]) -> str:
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(r.statuses.items())) or "none"
         lines.append(f"| {r.harness} | {r.seed} | {_est(r.sft)} | {_est(r.rl)} | {diff} | {_num(r.first5, '.3f')} | "
                      f"{_num(r.last5, '.3f')} | {r.steps} | {_num(r.wall_min, '.0f')} | {share} | {statuses} | "
-                     f"{_lengths(r.per_outcome[True])} / {_lengths(r.per_outcome[False])} |")
+                     f"{_lengths(r.per_outcome[True])} / {_lengths(r.per_outcome[False])} | "
+                     f"{_shares(r.unsolved_first)} |")
     return "\n".join(lines)
 
 

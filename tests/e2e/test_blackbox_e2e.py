@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     assert "failed" not in row, r.stdout + r.stderr[-3000:]
     assert "goal: the paired RL - SFT pass@1 interval lies above 0 in every row:" in r.stdout
 
+    from pipeline.cli.tree_report import rollouts_of
     from pipeline.core.eventlog import EventLogReader
     from pipeline.messages import GroupResample, PolicyUpdated, RolloutFinished, RolloutRequest
 
@@ -68,8 +70,16 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     # a barely trained policy names no file and word right (chance: under 1 in 800 per rollout), so every reward is
     # 0 and every RL step is reported as one without a learning signal, in the log and the metrics
     assert all(f.status == "ok" and f.reward == 0.0 for f in train), [(f.status, f.reward) for f in train]
-    # the row's last cell: no solved rollout to measure ("n/a"), the 16 unsolved ones' mean tokens and calls
-    assert re.search(r"\| n/a \(0\) / \d+, \d+\.\d \(16\) \|$", row), row
+    # the row's last cells: no solved rollout to measure ("n/a"), the 16 unsolved ones' mean tokens and calls, then
+    # what their first calls produced, as the event log's traces say
+    assert re.search(r"\| n/a \(0\) / \d+, \d+\.\d \(16\) \| .+ \(16\) \|$", row), row
+    firsts = Counter()
+    for s, _ in rollouts_of(run_dir / "events.msgpack"):
+        if s.request.purpose == "train":
+            first = min((c for c in s.calls if c.label == "main"), key=lambda c: c.seq, default=None)
+            firsts["no call" if first is None else {"tool_calls": "tool call"}.get(first.trace.output,
+                                                                                 first.trace.output)] += 1
+    assert row.endswith(" | " + ", ".join(f"{k} {v}" for k, v in firsts.most_common()) + " (16) |"), (row, firsts)
     lines = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
     causes = {x.get("step"): x.get("cause") for x in lines if x.get("level") == "warning" and x.get("cause")}
     assert causes.get(1) == causes.get(2) == "no_reward_spread", causes
