@@ -279,9 +279,18 @@ def test_ctrl_c_while_the_model_is_being_built_stops_at_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_second_signal_exits_at_once_without_a_traceback_or_leftovers(tmp_path):
+@pytest.mark.parametrize(("second", "backend"), [
+    pytest.param(signal.SIGINT, "local", id="SIGINT-local"),
+    pytest.param(signal.SIGTERM, "docker", id="SIGTERM-docker", marks=pytest.mark.docker),
+])
+def test_a_second_signal_exits_at_once_without_a_traceback_or_leftovers(tmp_path, second, backend):
+    """Ctrl-C twice, or Ctrl-C then a job scheduler's SIGTERM: the emergency stop removes the harnesses, processes
+    on the local backend, containers on Docker."""
+    if backend == "docker":
+        from tests.helpers.docker import require_images
+        require_images()
     proc = _quickstart(tmp_path, "experiment.build_model.tasks=20", "scheduler.sft_groups=0", "run.steps=50",
-                       "scheduler.tasks.count=10")
+                       "scheduler.tasks.count=10", f'sandbox.backend="{backend}"')
     from pipeline.core.eventlog import EventLogReader
     from pipeline.core.runfiles import marked_pids, run_tag
     from pipeline.rollout.sandbox.local import MARKER_RUN
@@ -292,13 +301,18 @@ def test_a_second_signal_exits_at_once_without_a_traceback_or_leftovers(tmp_path
     try:
         wait_for(lambda: metrics.exists() and '"source": "sandbox"' in metrics.read_text(), timeout=300,
                  what="rollouts")
-        wait_for(lambda: marked_pids(marker), timeout=60, what="a harness running")
+        if backend == "docker":
+            from tests.helpers.docker import containers_of
+            wait_for(lambda: containers_of(run_tag(tmp_path / "run"), running_only=True), timeout=120,
+                     what="a harness container running")
+        else:
+            wait_for(lambda: marked_pids(marker), timeout=60, what="a harness running")
         # The second signal follows closely: given time, the graceful stop the first one began would clean up
         # the harnesses itself, and the emergency stop would go untested (it takes ~2 s). Not too closely: two
         # SIGINTs sent before the process took the first are one signal (standard signals do not queue).
         proc.send_signal(signal.SIGINT)
         time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(second)
         _out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -184,3 +184,35 @@ async def test_start_removes_the_workspaces_a_crash_of_the_run_left(images, tmp_
     await backend.aclose()
     assert list(work.iterdir()) == [other]
 
+
+
+async def test_a_bind_source_that_is_gone_fails_the_container_instead_of_becoming_a_root_owned_folder(images,
+                                                                                                    tmp_path):
+    """A container created as the run exits finds its proxy socket removed already; with the engine's ``Binds`` it
+    would make a root-owned folder in its place (one was left in /tmp that way), with mounts the create fails."""
+    import aiodocker
+
+    from pipeline.rollout.harnesses import BASE_IMAGE
+
+    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work")))
+    await backend.start()
+    gone = tmp_path / "sock" / "proxy.sock"
+    present = tmp_path / "present"
+    present.mkdir()
+    try:
+        config = {"Image": BASE_IMAGE, "Cmd": ["true"], "Labels": backend._labels_for("r0", "harness"),
+                  "HostConfig": backend._host_config([f"{present}:/p:ro", f"{gone}:/run/proxy.sock"], "none")}
+        with pytest.raises(aiodocker.DockerError, match="does not exist"):
+            await backend.docker.containers.create(config)
+        assert not gone.exists() and not gone.parent.exists()
+        # a source that exists is mounted, read-only where asked
+        config["HostConfig"] = backend._host_config([f"{present}:/p:ro"], "none")
+        config["Cmd"] = ["sh", "-c", "test -d /p && ! touch /p/x"]
+        c = await backend.docker.containers.create(config)
+        try:
+            await c.start()
+            assert (await c.wait())["StatusCode"] == 0
+        finally:
+            await c.delete(force=True)
+    finally:
+        await backend.aclose()

@@ -150,6 +150,18 @@ def task_limits(task: Task, *, cpus: float, memory: int, pids: int) -> TaskLimit
                       pids=capped("pids", env.pids, pids, str(pids)), notes=tuple(notes))
 
 
+def bind_mounts(binds: list[str]) -> list[dict[str, Any]]:
+    """``SRC:DST[:ro]`` as the engine's bind mounts. Mounts, not Binds: for a source that does not exist, Binds
+    makes a root-owned folder in its place (a container created as a run exits, its proxy socket already removed,
+    left one in /tmp); a mount fails instead."""
+    out = []
+    for b in binds:
+        spec, ro = (b[:-3], True) if b.endswith(":ro") else (b, False)
+        src, _, dst = spec.rpartition(":")  # the target is a container path without ':'; the source may have one
+        out.append({"Type": "bind", "Source": src, "Target": dst, "ReadOnly": ro})
+    return out
+
+
 class DockerEngine:
     """The engine calls of the Docker backend (a mixin: :class:`~pipeline.rollout.sandbox.docker.DockerBackend`
     sets the attributes). Every container is labelled, owned by a list its caller removes, and bounded in time."""
@@ -181,7 +193,7 @@ class DockerEngine:
         s = self.settings
         cpus, memory, pids = (limits.cpus, limits.memory, limits.pids) if limits else (s.cpus, self.memory_bytes, s.pids)
         return {
-            "Binds": binds,
+            "Mounts": bind_mounts(binds),
             "NetworkMode": network,
             "NanoCpus": int(cpus * 1e9),
             "Memory": memory,
