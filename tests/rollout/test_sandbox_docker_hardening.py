@@ -216,3 +216,34 @@ async def test_a_bind_source_that_is_gone_fails_the_container_instead_of_becomin
             await c.delete(force=True)
     finally:
         await backend.aclose()
+
+
+async def test_the_verifier_runs_in_a_fresh_container_that_nothing_of_the_harness_reaches(images, tmp_path):
+    """The harness leaves a marker in its /tmp and a detached process behind; test.sh then records where it runs.
+    Another container (host name), no harness process, an empty /tmp: only the workspace passes to the verifier."""
+    solve = ("cat /proc/sys/kernel/hostname > /app/harness_host\n"
+             "echo planted > /tmp/harness-was-here\n"
+             "setsid sh -c 'exec sleep 333' > /dev/null 2>&1 < /dev/null &\n")
+    task = stand_in(tmp_path, "fresh", solve)
+    (task.tests_dir / "test.sh").write_text(
+        "#!/usr/bin/env bash\n"
+        "cat /proc/sys/kernel/hostname > /app/verifier_host\n"
+        "ls /tmp > /app/verifier_tmp\n"
+        "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' > /app/verifier_procs\n"
+        "echo 1 > /logs/verifier/reward.txt\n")
+    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work"), keep_workspaces=True,
+                                           network="host"))
+    await backend.start()
+    try:
+        fin = await backend.run(request(task), task, proxy_url="http://127.0.0.1:9")
+    finally:
+        await backend.aclose()
+    assert (fin.status, fin.reward) == ("ok", 1.0), fin.details
+    (kept,) = (tmp_path / "work").iterdir()
+    app = kept / "app"
+    harness_host, verifier_host = ((app / n).read_text().strip() for n in ("harness_host", "verifier_host"))
+    assert harness_host and verifier_host and harness_host != verifier_host
+    assert "harness-was-here" not in (app / "verifier_tmp").read_text()
+    assert "sleep 333" not in (app / "verifier_procs").read_text()
+    assert "test.sh" in (app / "verifier_procs").read_text()  # the probe did see its own processes
+    assert containers_of(backend.run_id) == []

@@ -178,6 +178,36 @@ def test_checker_refuses_a_workspace_file_over_its_cap_unread(tmp_path):
     assert (r.status, r.reward) == ("ok", 0.0), r
     assert f"{FILE_CAP + 1} bytes, more than {FILE_CAP}" in r.stdout_tail and "CANARY" not in r.stdout_tail, r
 
+
+def test_the_checkers_copy_for_workspace_code_stops_at_its_byte_cap(tmp_path):
+    """The copy handed to workspace code (module checks) holds at most COPY_CAP bytes: a sparse file over the cap,
+    which would cost its full size copied, is left out; links are recreated, never followed; a FIFO is skipped."""
+    import os
+
+    from pipeline.rollout.taskgen.check_template import COPY_CAP, _copy_tree
+
+    src, dst = tmp_path / "ws", tmp_path / "copy"
+    (src / "pkg").mkdir(parents=True)
+    dst.mkdir()
+    (src / "pkg" / "mod.py").write_text("X = 1\n")
+    with (src / "huge.bin").open("wb") as f:
+        f.truncate(COPY_CAP + 1)
+    (src / "secret").symlink_to("/etc/hostname")
+    os.mkfifo(src / "pipe")
+    left = _copy_tree(str(src), str(dst), COPY_CAP)
+    assert sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*")) == ["pkg", "pkg/mod.py", "secret"]
+    assert (dst / "secret").is_symlink() and os.readlink(dst / "secret") == "/etc/hostname"
+    assert left == COPY_CAP - len("X = 1\n")
+    # the budget is spent across files: what no longer fits is left out, what fits still goes in
+    (src / "huge.bin").unlink()
+    for name, size in (("a", 40), ("b", 40), ("c", 10)):
+        (src / name).write_bytes(b"x" * size)
+    dst2 = tmp_path / "copy2"
+    dst2.mkdir()
+    _copy_tree(str(src), str(dst2), 60)
+    kept = {p.name for p in dst2.iterdir() if p.is_file() and not p.is_symlink()}
+    assert "c" in kept and len(kept & {"a", "b"}) == 1, kept
+
 PROBE = """
 import json, os
 seen = {"uid": os.getuid(), "env": sorted(os.environ), "cwd": os.getcwd()}
