@@ -54,7 +54,8 @@ def make_run_dir(exp: cfg.Experiment, run_dir: str | Path | None, suffix: str = 
     else:
         path = Path(run_dir)
         if (path / "events.msgpack").exists():
-            raise cfg.ConfigError(f"--run-dir {path}: already holds a run (events.msgpack); pick a new directory")
+            raise cfg.ConfigError(f"--run-dir {path}: already holds a run (events.msgpack); continue it with "
+                                  f"`python run.py --resume {path}`, or pick a new directory")
     path.mkdir(parents=True, exist_ok=True)
     return RunDir(path)
 

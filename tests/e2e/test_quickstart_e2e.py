@@ -133,6 +133,13 @@ def test_kill_9_then_resume_keeps_the_policy_and_neither_repeats_nor_skips_a_ste
         time.sleep(0.1)
     assert {"workspaces", "proxy_sockets", "processes"} <= set(leftovers_of(run_dir)), (
         f"planted survivor pid {survivor.pid}: exit status {survivor.poll()}")
+    # A fresh start in the killed run's folder is refused, touching nothing (it would mix two runs' records); the
+    # message says how to continue the run instead.
+    before = (run_dir / "events.msgpack").read_bytes()
+    fresh = run("--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch",
+                *[x for kv in sets for x in ("--set", kv)])
+    assert fresh.returncode == 2 and f"--resume {run_dir}" in fresh.stderr, fresh.stderr[-2000:]
+    assert (run_dir / "events.msgpack").read_bytes() == before
     try:
         r = run("--resume", str(run_dir))  # watching its config.toml, which lives in the busy run directory
         killed = survivor.poll()

@@ -6,8 +6,10 @@ Skipped on a machine without Docker; required in CI (harness_images/ci_setup.sh 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
+import uuid
 from functools import partial
 from pathlib import Path
 
@@ -153,17 +155,28 @@ async def test_cancellation_removes_the_container(sandbox, tmp_path):
 
 
 async def test_start_reaps_leftovers(images):
-    # A container from a "crashed" run: same host, owner process long gone.
-    dead_pid = "2147483646"
-    proc = await anyio.run_process(
-        ["docker", "create", "--label", f"{LABEL}=1", "--label", "bridle.run=crashed",
-         "--label", f"bridle.host={socket.gethostname()}", "--label", f"bridle.owner={dead_pid}",
-         "bridle-base", "sleep", "300"])
-    cid = proc.stdout.decode().strip()
-    backend = DockerBackend(DockerSettings(**OFFLINE))
-    await backend.start()
-    await backend.aclose()
-    assert containers_of("crashed") == [], cid
+    """A start removes a crashed run's containers (same host, owner process gone), and leaves a live run's alone:
+    another run whose process is alive here, and a run of another host (its owner pid means nothing here)."""
+    suffix = uuid.uuid4().hex[:8]
+
+    async def leftover(run: str, owner: str, host: str = socket.gethostname()) -> str:
+        proc = await anyio.run_process(
+            ["docker", "create", "--label", f"{LABEL}=1", "--label", f"bridle.run={run}",
+             "--label", f"bridle.host={host}", "--label", f"bridle.owner={owner}", "bridle-base", "sleep", "300"])
+        return proc.stdout.decode().strip()
+
+    crashed = await leftover(f"crashed-{suffix}", "2147483646")
+    live = await leftover(f"live-{suffix}", str(os.getpid()))
+    remote = await leftover(f"remote-{suffix}", "2147483646", host="another-host")
+    try:
+        backend = DockerBackend(DockerSettings(**OFFLINE))
+        await backend.start()
+        await backend.aclose()
+        assert containers_of(f"crashed-{suffix}") == [], crashed
+        assert [c[:12] for c in containers_of(f"live-{suffix}")] == [live[:12]]
+        assert [c[:12] for c in containers_of(f"remote-{suffix}")] == [remote[:12]]
+    finally:
+        await anyio.run_process(["docker", "rm", "-f", crashed, live, remote], check=False)
 
 
 class _Listener:
