@@ -190,3 +190,56 @@ def test_a_dead_proxy_worker_fails_the_run_with_its_log_and_leaves_no_process(tm
     assert "proxy-worker-1.log" in crash[0].error
     with pytest.raises(ProcessLookupError):
         os.kill(started["proxy-worker-0 process started"], 0)
+
+
+def test_an_attached_engine_that_stops_answering_fails_a_live_evaluation(tmp_path):
+    """An engine bridle did not start (``[proxy.engine] url``) has no exit status to watch, only /health; an
+    evaluation pushes no weights, so nothing else would notice. Killed mid-run, the engine fails the run at once
+    (exit 1) with the watchdog's words; before the watchdog such a run waited on its harnesses' timeouts."""
+    import tomllib
+
+    import msgspec
+
+    from pipeline.messages import ActorStopped
+    from pipeline.models.quickstart import ModelSpec, ensure_model
+
+    build = tomllib.loads((ROOT / "configs" / "quickstart.toml").read_text())["experiment"]["build_model"]
+    model = ensure_model(msgspec.convert({**build, "tasks": 20, "path": str(tmp_path / "model")}, ModelSpec))
+    port_file = tmp_path / "engine.port"
+    engine = subprocess.Popen([sys.executable, "-m", "pipeline.serving.embedded", "--model", str(model), "--host",
+                               "127.0.0.1", "--port", "0", "--port-file", str(port_file)], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run_dir = tmp_path / "eval"
+    proc = None
+    try:
+        t0 = time.monotonic()
+        while not port_file.exists():
+            assert engine.poll() is None and time.monotonic() - t0 < 120, "the engine did not start"
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+        sets = [f'run.model="{model}"', 'proxy.engine.kind="sglang"', f'proxy.engine.url="{url}"',
+                "eval.tasks.count=20", "eval.samples=4", 'monitor.display="off"']
+        args = [sys.executable, "run.py", "--eval", "--experiment", "quickstart", "--run-dir", str(run_dir),
+                "--no-watch"]
+        for s in sets:
+            args += ["--set", s]
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and '"source": "sandbox"' in metrics.read_text()):  # a rollout finished
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300, "the evaluation did not start rolling out"
+            time.sleep(0.2)
+        engine.kill()
+        killed_at = time.monotonic()
+        _out, err = proc.communicate(timeout=120)
+        print(f"the run stopped {time.monotonic() - killed_at:.1f} s after the engine was killed")
+    finally:
+        for p in (engine, proc):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    stops = [e.msg for e in EventLogReader(run_dir / "events.msgpack") if isinstance(e.msg, ActorStopped)]
+    crash = [s for s in stops if s.reason == "crashed"]
+    assert [s.actor for s in crash] == ["proxy"] and "EngineDied" in crash[0].error, stops
+    assert f"the engine at {url}" in crash[0].error and "health probes in a row" in crash[0].error, crash[0].error
