@@ -95,6 +95,16 @@ class ProxyEndpoint(msgspec.Struct, kw_only=True, omit_defaults=True):
     unix_socket: str = ""
 
 
+TOKEN_PREFIX = "bridle-"
+
+
+def rollout_token() -> str:
+    """A rollout's secret for the proxy: 192 random bits (``secrets``), URL-safe, named as bridle's."""
+    import secrets
+
+    return TOKEN_PREFIX + secrets.token_urlsafe(24)
+
+
 class RolloutRequest(_Msg, kw_only=True):
     """Scheduler -> SandboxPool (and Proxy, which learns the token from it). One rollout of one group."""
 

@@ -14,7 +14,6 @@ training or demonstration task's is dropped, and the count is logged and reporte
 from __future__ import annotations
 
 import hashlib
-import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ import msgspec
 
 from pipeline.core.config import ConfigError, NonNegInt, PosFloat, PosInt, Section
 from pipeline.eval.report import Column
-from pipeline.messages import EvalTag, RolloutRequest, SamplingParams, SettledRollout
+from pipeline.messages import EvalTag, RolloutRequest, SamplingParams, SettledRollout, rollout_token
 from pipeline.rollout.harness_space import HarnessConfig, design
 from pipeline.rollout.scheduling import TaskSource
 from pipeline.rollout.tasks import Task
@@ -170,7 +169,7 @@ class Round:
             sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
             out += [RolloutRequest(
                 rollout_id=f"{gid}-r{i}", group_id=gid, index=i, group_size=s.samples, task_id=task.id,
-                harness=harness, token="bridle-" + secrets.token_urlsafe(24), policy_version=self.version,
+                harness=harness, token=rollout_token(), policy_version=self.version,
                 sampling=sampling, timeout_s=s.timeout_s, purpose="eval", task_path=task.path, eval=tag,
             ) for i in range(s.samples)]
             self.in_flight[gid] = s.samples

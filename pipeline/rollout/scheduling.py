@@ -18,7 +18,6 @@ or dropped); so it may be issued once the learner has finished ``j // B - max_st
 from __future__ import annotations
 
 import random
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -26,7 +25,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt, Section
-from pipeline.messages import RolloutRequest, SamplingParams
+from pipeline.messages import RolloutRequest, SamplingParams, rollout_token
 from pipeline.rollout import demonstrations
 from pipeline.rollout.harness_space import design, locality_assignment
 from pipeline.rollout.harnesses import HARNESSES, harness_for, harness_problem
@@ -392,7 +391,7 @@ def rollout_requests(issue: Issue, settings: SchedulerSettings, version: int) ->
     a = issue.assignment
     return [RolloutRequest(
         rollout_id=f"{issue.group_id}-r{i}", group_id=issue.group_id, index=i, group_size=issue.size,
-        task_id=a.task.id, harness=a.harness, token="bridle-" + secrets.token_urlsafe(24), policy_version=version,
+        task_id=a.task.id, harness=a.harness, token=rollout_token(), policy_version=version,
         sampling=sampling, timeout_s=settings.timeout_s, purpose=issue.purpose, task_path=a.task.path,
         script=script, demonstrations=issue.demonstrations, resample=issue.resample,
     ) for i in range(issue.size)]

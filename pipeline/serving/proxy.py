@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from pipeline.messages import (
     SamplingParams,
     pack_f32,
     pack_i32,
+    rollout_token,
 )
 from pipeline.serving.engine import Engine, EngineSampling
 from pipeline.serving.engine_call import result_versions, run_engine
@@ -166,7 +166,7 @@ class Proxy:
 
     def open_rollout(self, rollout_id: str, sampling: SamplingParams | None = None) -> str:
         """Register a rollout by hand (``--serve``, tests) and return its fresh token."""
-        token = "bridle-" + secrets.token_urlsafe(24)
+        token = rollout_token()
         self.register(RolloutRequest(
             rollout_id=rollout_id, group_id=rollout_id, index=0, group_size=1, task_id="", harness="manual",
             token=token, policy_version=self.policy_version, sampling=sampling or SamplingParams(),

@@ -135,7 +135,7 @@ def test_requests_carry_sampling_purpose_and_fresh_tokens(tasks):
     demo = iss.next(max_staleness=1)[0]
     reqs = rollout_requests(demo, iss.settings, version=0)
     assert [r.rollout_id for r in reqs] == ["sft0000-r0", "sft0000-r1"]
-    assert len({r.token for r in reqs}) == 2 and all(len(r.token) > 30 for r in reqs)
+    assert len({r.token for r in reqs}) == 2 and all(token_bits(r.token) == 192 for r in reqs)
     assert all(r.script and r.purpose == "sft" and r.demonstrations == 2 for r in reqs)
     assert reqs[0].sampling.temperature == 0.7 and reqs[0].sampling.max_new_tokens == iss.settings.sft_max_new_tokens
 
@@ -201,3 +201,28 @@ def test_dynamic_sampling_replacements_go_out_first_with_their_slot_and_harness(
     assert iss.metrics()["groups_resampled"] == 2
     reqs = rollout_requests(out[0], iss.settings, version=0)
     assert {r.resample for r in reqs} == {1} and {r.group_id for r in reqs} == {"g00001-x1"}
+
+
+def token_bits(token: str) -> int:
+    """The random bits of a rollout token: the URL-safe base64 after bridle's prefix, decoded."""
+    import base64
+
+    from pipeline.messages import TOKEN_PREFIX
+
+    assert token.startswith(TOKEN_PREFIX), token
+    body = token.removeprefix(TOKEN_PREFIX)
+    return 8 * len(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+
+
+def test_a_rollout_token_carries_192_random_bits():
+    import base64
+
+    from pipeline.messages import rollout_token
+
+    tokens = {rollout_token() for _ in range(2000)}
+    assert len(tokens) == 2000 and {token_bits(t) for t in tokens} == {192}
+    # every bit varies across tokens: none is fixed by the encoding
+    raw = [int.from_bytes(base64.urlsafe_b64decode(t.removeprefix("bridle-")), "big") for t in tokens]
+    ones = [sum((r >> i) & 1 for r in raw) for i in range(192)]
+    assert all(700 < n < 1300 for n in ones), min(ones)
+
