@@ -258,7 +258,7 @@ class Planner:
         while len(self._blocks) <= block:
             self._blocks.append([
                 (t, ["whitebox:" + c.name for c in assign(self.training, self.k, self.harness_rng, self.assignment)])
-                for t in [self.next_task() for _ in range(self.B)]
+                for t in (self.next_task() for _ in range(self.B))
             ])
         return [Assignment(t, hs[j], step) for t, hs in self._blocks[block]]
 

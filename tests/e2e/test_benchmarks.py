@@ -358,3 +358,42 @@ def test_harness_scaling_runs_validate_for_every_variant():
                 assert exp.sections["proxy"].context_len == 32768
             else:
                 assert set(ev.harnesses) == set(cols["held-out"] + cols["trained"])
+
+
+def test_harness_scaling_table_by_hand(tmp_path):
+    """Two seeds pool into one row per variant; the paired difference against single matches (task, harness) pairs
+    (the trained column pairs tasks, its configurations differing); a harness with no valid rollout fails its row."""
+    from pipeline.eval.report import Sample, build_report, write
+
+    hs = _harness_scaling()
+    held, trained_single, trained_k2 = "whitebox:" + "S0T2O1C1W2", "whitebox:S0T0O0C0W0", "whitebox:S0T1O1C1W1"
+
+    def fake(name, seed, outcomes, statuses=None):
+        where = tmp_path / f"{name}-seed{seed}"
+        (where / "train").mkdir(parents=True)
+        (where / "train" / "metrics.jsonl").write_text(
+            json.dumps({"kind": "rl_step", "step": 1, "rollouts": 4}) + "\n")
+        trained = trained_single if name == "single" else trained_k2
+        (where / "plan.json").write_text(json.dumps({"held-out": [held], "trained": [trained], "out-of-space": []}))
+        samples = [Sample(task_id=f"t{i}", family="f", harness=h, column="custom", reward=float(ok),
+                          status=(statuses or {}).get(h, "ok"))
+                   for h, oks in ((held, outcomes[0]), (trained, outcomes[1])) for i, ok in enumerate(oks)]
+        write(build_report(samples, [1]), where / "eval-space" / "eval")
+        return hs.measure(tmp_path, name, seed, None, [])
+
+    rows = {"single": [fake("single", 0, ([0, 0], [1, 0])), fake("single", 1, ([0, 1], [1, 1]))],
+            "published-k2": [fake("published-k2", 0, ([1, 0], [1, 1])), fake("published-k2", 1, ([1, 1], [1, 1]))]}
+    assert not any(r.error for rs in rows.values() for r in rs)
+    lines = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
+             for ln in hs.table(rows).splitlines()[2:]}
+    single, k2 = lines["single"], lines["published-k2"]
+    assert single[1:4] == ["0, 1", "1/1", "4/4"] and single[6].startswith("0.250 [") and single[7].startswith("0.750 [")
+    assert k2[6].startswith("0.750 [") and k2[7].startswith("1.000 [") and k2[8] == "not run"
+    # held-out: 4 pairs, differences 1, 0, 1, 0; trained: per (seed, task) 0, 1, 0, 0
+    assert k2[9].startswith("0.500 [") and k2[9].endswith("(n=4)") and k2[10].startswith("0.250 [")
+    assert single[9:] == ["—"] * 3
+
+    rows["published-k2"][1] = fake("published-k2", 2, ([1, 1], [0, 0]), statuses={trained_k2: "sandbox_error"})
+    line = next(ln for ln in hs.table(rows).splitlines() if ln.startswith("| published-k2 |"))
+    assert line == (f"| published-k2 | failed: seed 2: trained: no valid rollout through {trained_k2} (2 excluded as "
+                    "infrastructure failures); see eval-space.log |")
