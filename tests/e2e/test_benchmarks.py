@@ -1,5 +1,6 @@
 """The benchmarks keep working: the proxy benchmark's throughput model on hand-checked cases and a short real
-run end to end, and short runs of the harness and engine prefix-cache benchmarks and of the fault campaign.
+run end to end, and short runs of the harness and engine prefix-cache benchmarks, of the fault campaign and of the
+harness-scaling ablations (with their settings and table checked by hand).
 
 No timing is asserted (these machines are noisy); the run checks that every path answered every request and that
 every table and verdict is printed.
