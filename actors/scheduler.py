@@ -23,7 +23,8 @@ class Scheduler(Actor[SchedulerSettings]):
         c, run = self.config, self.ctx.run
         assert self.run_dir is not None, "the scheduler needs a run directory for its tasks"
         tasks = load_tasks(c.tasks, self.run_dir)
-        planner = Planner(tasks, c.mode, c.harness, c.harnesses, c.k, run.groups_per_step, c.seed, c.space)
+        planner = Planner(tasks, c.mode, c.harness, c.harnesses, c.k, run.groups_per_step, c.seed, c.space,
+                          assignment=c.assignment, space_seed=c.space_seed)
         sft_planner = planner
         if c.sft_tasks is not None and c.sft_groups:
             sft_tasks = load_tasks(c.sft_tasks, self.run_dir, "sft_tasks")

@@ -3,7 +3,8 @@ bookkeeping of one evaluation round (docs/evaluation.md).
 
 Columns follow the Harness Scaling paper: a white-box configuration of the space's training set is **in-space**,
 one of its held-out set is **held-out** (in-space, never trained on), any other harness (the black-box ones) is
-**out-of-space**; a white-box configuration in neither set is **custom**.
+**out-of-space**; a white-box configuration in neither set is **custom**. In a training run in scaling mode the space
+is the scheduler's, so in-space means trained on.
 
 Held-out tasks. The evaluation's tasks come from their own source (``[eval].tasks``: a folder, or built-in families
 with their own seed), which may not be the training source. Generated families can still produce the same task
@@ -14,17 +15,17 @@ training or demonstration task's is dropped, and the count is logged and reporte
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from pipeline.core.config import ConfigError, NonNegInt, PosFloat, PosInt, Section
 from pipeline.eval.report import Column
 from pipeline.messages import EvalTag, RolloutRequest, SamplingParams, SettledRollout, rollout_token
-from pipeline.rollout.harness_space import HarnessConfig, design
+from pipeline.rollout.harness_space import HarnessConfig, Space, design
 from pipeline.rollout.scheduling import TaskSource
 from pipeline.rollout.tasks import Task
 
@@ -37,7 +38,9 @@ class EvalSettings(Section):
     # white-box configurations added per column: every configuration of the space's training set ("in-space")
     # and of its held-out set ("held-out"); configs_per_column > 0 takes that many of each, spread evenly
     columns: list[Literal["in-space", "held-out"]] = msgspec.field(default_factory=list)
-    space: Literal["published", "generated"] = "published"
+    # the harness space whose sets the columns are (harness_space.design); a scaling run's must be its scheduler's
+    space: Space = "published"
+    space_seed: int = 0  # the draw of space = "random18", as [scheduler].space_seed
     configs_per_column: NonNegInt = 0
     # task folders never to evaluate on, besides this run's own training and demonstration tasks (run.py --eval
     # --checkpoint RUN_DIR adds that run's)
@@ -65,6 +68,13 @@ class EvalSettings(Section):
         if not self.harnesses and not self.columns:
             raise ConfigError(f"{exp.source}: [{name}]: nothing to evaluate; give harnesses, columns or both")
         sched = exp.kind_section("scheduler")
+        if sched is not None and sched[1].mode == "scaling":
+            theirs, ours = (sched[1].space, sched[1].space_seed), (self.space, self.space_seed)
+            if theirs != ours:
+                raise ConfigError(
+                    f"{exp.source}: [{name}].space = {self.space!r}, space_seed = {self.space_seed} but "
+                    f"[{sched[0]}] trains on space = {theirs[0]!r}, space_seed = {theirs[1]}: the in-space column "
+                    f"would not be the configurations trained on; give [{name}] the same two settings")
         if sched is not None:
             for label in ("tasks", "sft_tasks"):
                 src = getattr(sched[1], label)
@@ -88,27 +98,34 @@ def _same_source(a: TaskSource, b: TaskSource) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ pairs
-def column_of(harness: str, space: Literal["published", "generated"] = "published") -> Column:
+def column_of(harness: str, space: Space = "published", seed: int = 0) -> Column:
+    """A trained configuration is in-space even where the space also lists it as held out (space "all")."""
     name, _, variant = harness.partition(":")
     if name != "whitebox":
         return "out-of-space"
-    train, held = design(space)
+    train, held = design(space, seed)
     cfg = HarnessConfig.parse(variant or "S0T0O0C0W0")
     return "in-space" if cfg in train else "held-out" if cfg in held else "custom"
 
 
+T = TypeVar("T")
+
+
+def spread(items: Sequence[T], n: int) -> list[T]:
+    """``n`` of ``items`` spread evenly from the first (all of them for n = 0 or n >= len)."""
+    if not n:
+        return list(items)
+    return list(items[:: max(1, len(items) // n)][:n])
+
+
 def harnesses(s: EvalSettings) -> list[tuple[str, Column]]:
     """Every harness the evaluation runs, with its column, in a stable order without repeats."""
-    train, held = design(s.space)
+    train, held = design(s.space, s.space_seed)
     out: list[str] = []
     for col in s.columns:
-        configs = train if col == "in-space" else held
-        if s.configs_per_column:
-            step = max(1, len(configs) // s.configs_per_column)
-            configs = configs[::step][: s.configs_per_column]
-        out += ["whitebox:" + c.name for c in configs]
+        out += ["whitebox:" + c.name for c in spread(train if col == "in-space" else held, s.configs_per_column)]
     out += s.harnesses
-    return [(h, column_of(h, s.space)) for h in dict.fromkeys(out)]
+    return [(h, column_of(h, s.space, s.space_seed)) for h in dict.fromkeys(out)]
 
 
 def content_hash(task: Task) -> str:

@@ -1,5 +1,6 @@
-"""The white-box harness space: 3^5 configurations, an orthogonal training design, held-out configurations
-and locality-aware assignment (Harness Scaling; the design is described in docs/rollout.md, "The white-box harness and the harness space").
+"""The white-box harness space: 3^5 configurations, an orthogonal training design, held-out configurations,
+the training-set variants of the paper's ablations and the rules that give each task its K configurations
+(Harness Scaling; the design is described in docs/rollout.md, "The white-box harness and the harness space").
 
 A configuration picks a realization 0, 1 or 2 for each of the five components S (system prompt), T (tool
 interface), O (observation), C (context management), W (workflow) of the white-box harness; its name is
@@ -14,6 +15,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -28,14 +30,20 @@ from harness_images.whitebox.agent.components import (
 )
 
 __all__ = [
+    "ASSIGNMENTS",
     "CANONICAL_TOOLS",
     "COMPONENTS",
     "LEVELS",
     "PUBLISHED_HELD_OUT",
     "PUBLISHED_TRAINING",
+    "RANDOM_SIZE",
     "REALIZATIONS",
+    "SPACES",
+    "AssignmentRule",
     "HarnessConfig",
+    "Space",
     "all_configs",
+    "assign",
     "design",
     "held_out_configs",
     "locality_assignment",
@@ -147,16 +155,35 @@ PUBLISHED_HELD_OUT = (
 )
 
 
+Space = Literal["published", "generated", "random18", "all"]
+SPACES: tuple[str, ...] = get_args(Space)
+RANDOM_SIZE = 18  # the "random18" space: as many configurations as the published training set
+
+
 def design(space: str = "published", seed: int = 0) -> tuple[list[HarnessConfig], list[HarnessConfig]]:
-    """(training, held-out) configurations: ``"published"`` (the paper's Tables 6 and 8, the default) or
-    ``"generated"`` (:func:`training_configs` and a disjoint translate of it, :func:`held_out_configs`)."""
+    """(training, held-out) configurations of a space:
+
+    - ``"published"`` (the default): the paper's Tables 6 and 8;
+    - ``"generated"``: :func:`training_configs` and a disjoint translate of it (:func:`held_out_configs`, by ``seed``);
+    - ``"random18"``: the paper's Random-18 ablation, 18 configurations drawn uniformly with ``seed`` from the 225
+      outside the published held-out set, which stays its held-out set (drawn from all 243, some would be trained
+      on and the held-out column would no longer measure configurations never seen);
+    - ``"all"``: all 243, in name order. Its held-out set is still the published one, so that column stays comparable
+      across variants, but it is trained on: there it measures nothing held out.
+    """
+    if space not in SPACES:
+        raise ValueError(f"harness space {space!r}: expected one of {', '.join(map(repr, SPACES))}")
+    published_held = [HarnessConfig.parse(n) for n in PUBLISHED_HELD_OUT]
     if space == "published":
-        return ([HarnessConfig.parse(n) for n in PUBLISHED_TRAINING],
-                [HarnessConfig.parse(n) for n in PUBLISHED_HELD_OUT])
+        return [HarnessConfig.parse(n) for n in PUBLISHED_TRAINING], published_held
     if space == "generated":
         train = training_configs()
         return train, held_out_configs(train, seed)
-    raise ValueError(f'harness space {space!r}: expected "published" or "generated"')
+    if space == "random18":
+        held = set(published_held)
+        pool = [c for c in all_configs() if c not in held]
+        return random.Random(seed).sample(pool, RANDOM_SIZE), published_held
+    return all_configs(), published_held
 
 
 def held_out_configs(training: Sequence[HarnessConfig], seed: int = 0) -> list[HarnessConfig]:
@@ -199,3 +226,31 @@ def locality_assignment(training: Sequence[HarnessConfig], k: int, rng: random.R
     tie = {c: rng.random() for c in rest}
     rest.sort(key=lambda c: (anchor.distance(c), tie[c]))
     return [anchor, *rest[: k - 1]]
+
+
+AssignmentRule = Literal["locality", "random", "repeat"]
+ASSIGNMENTS: tuple[str, ...] = get_args(AssignmentRule)
+
+
+def assign(training: Sequence[HarnessConfig], k: int, rng: random.Random,
+           rule: AssignmentRule = "locality") -> list[HarnessConfig]:
+    """K harnesses for one task, entry j used at the j-th of K successive steps, by ``rule``:
+
+    - ``"locality"``: :func:`locality_assignment` (an anchor and its K-1 nearest);
+    - ``"random"``: K distinct configurations drawn uniformly from ``training``, with no regard to distance (the
+      paper's random-assignment ablation);
+    - ``"repeat"``: one configuration drawn uniformly, K times (Repeat-K: the same K passes over each task as the
+      other rules, through one configuration, which tells the gain of K configurations from that of K passes).
+    """
+    if rule == "locality":
+        return locality_assignment(training, k, rng)
+    pool = list(dict.fromkeys(training))
+    if rule == "repeat":
+        if k < 1 or not pool:
+            raise ValueError(f"k={k}: must be at least 1, with at least one training configuration")
+        return [rng.choice(pool)] * k
+    if rule == "random":
+        if not 1 <= k <= len(pool):
+            raise ValueError(f"k={k}: must be between 1 and the {len(pool)} distinct training configurations")
+        return rng.sample(pool, k)
+    raise ValueError(f"assignment {rule!r}: expected one of {', '.join(map(repr, ASSIGNMENTS))}")

@@ -7,8 +7,10 @@ can drive without the runtime: :class:`Planner` (the seeded stream of (task, har
 Harness modes (docs/architecture.md, "Scheduling"):
 - ``single``: every group uses ``harness``.
 - ``mix``: every task is paired with each harness in ``harnesses``; each (task, harness) pair is its own group.
-- ``scaling``: white-box configurations from the strength-2 orthogonal array; each task gets K harnesses (a random
-  anchor + its K-1 nearest training configurations) used over K successive steps.
+- ``scaling``: white-box configurations of a training set (``space``); each task gets K of them (``assignment``: a
+  random anchor + its K-1 nearest, K distinct at random, or one K times) used over K successive steps. The task stream
+  does not depend on the space or the assignment (they draw from their own generator), so for one seed every scaling
+  variant with the same K, and ``single`` with K = 1, trains on the same tasks in the same order.
 
 Staleness: a group issued while the learner has done s steps must be trained by step s + max_staleness. With B
 groups per step, training group j (0-based) is trained in step j // B (the learner counts groups received, trained
@@ -27,7 +29,7 @@ import msgspec
 from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt, Section
 from pipeline.messages import RolloutRequest, SamplingParams, rollout_token
 from pipeline.rollout import demonstrations
-from pipeline.rollout.harness_space import design, locality_assignment
+from pipeline.rollout.harness_space import AssignmentRule, Space, assign, design
 from pipeline.rollout.harnesses import HARNESSES, harness_for, harness_problem
 from pipeline.rollout.tasks import Task, load_task_dir
 
@@ -70,9 +72,13 @@ class SchedulerSettings(Section):
     harness: str = "whitebox:S0T0O0C0W0"
     harnesses: list[str] = msgspec.field(default_factory=list)  # mix mode
     k: PosInt = 2  # scaling mode: harnesses per task, over K successive steps
-    # scaling mode: the white-box configurations trained on (held-out ones are for evaluation): the paper's
-    # published sets, or the generated orthogonal array and a disjoint translate of it (harness_space.design)
-    space: Literal["published", "generated"] = "published"
+    # scaling mode: the white-box training set: the paper's published 18, the generated orthogonal array, Random-18
+    # (drawn outside the published held-out set) or all 243 (harness_space.design; docs/rollout.md)
+    space: Space = "published"
+    space_seed: int = 0  # scaling mode: the draw of space = "random18" (and the generated space's held-out translate)
+    # scaling mode: a task's K configurations: an anchor and its K-1 nearest ("locality"), K distinct drawn at random
+    # ("random"), or one drawn at random K times ("repeat": Repeat-K, the control for K passes per task)
+    assignment: AssignmentRule = "locality"
     group_size: PosInt = 4
     max_groups_in_flight: PosInt = 4
     sft_groups: NonNegInt = 0  # oracle demonstration groups before training (cold-start SFT)
@@ -98,6 +104,7 @@ class SchedulerSettings(Section):
             raise ConfigError(f"{exp.source}: [{name}].top_k: 0 samples nothing; use -1 (off) or >= 1")
         if self.mode == "mix" and not self.harnesses:
             raise ConfigError(f'{exp.source}: [{name}].harnesses: mode = "mix" needs the list of harnesses')
+        self._check_scaling(name, exp)
         for label, value in [("harness", self.harness), *(("harnesses", h) for h in self.harnesses)]:
             if why := harness_problem(value):
                 raise ConfigError(f"{exp.source}: [{name}].{label}: {why}")
@@ -125,6 +132,48 @@ class SchedulerSettings(Section):
                 f'([{learner[0]}.train].advantage = "grpo"): nothing would be learned; use group_size >= 2 or '
                 'advantage = "ppo"')
 
+    def _check_scaling(self, name: str, exp: Any) -> None:
+        from pipeline.core.config import ConfigError
+
+        if self.mode != "scaling":
+            default = type(self)()
+            set_here = [f"{f} = {getattr(self, f)!r}" for f in ("space", "space_seed", "assignment")
+                        if getattr(self, f) != getattr(default, f)]
+            if set_here:
+                raise ConfigError(f"{exp.source}: [{name}]: {', '.join(set_here)}: only mode = \"scaling\" reads "
+                                  f'it (how it picks white-box configurations), and mode = "{self.mode}"; set '
+                                  'mode = "scaling" or remove it')
+            return
+        n = len(design(self.space, self.space_seed)[0])
+        if self.assignment != "repeat" and self.k > n:
+            raise ConfigError(
+                f'{exp.source}: [{name}].k = {self.k}: assignment = "{self.assignment}" gives each task {self.k} '
+                f'distinct configurations and space = "{self.space}" has {n}; lower k, or use assignment = "repeat"')
+
+
+def training_harnesses(s: SchedulerSettings) -> list[str]:
+    """What a run with these settings trains on, in a stable order: ``harness`` (single mode; also every mode's
+    demonstrations), ``harnesses`` (mix), the space's training configurations (scaling)."""
+    if s.mode == "single":
+        return [s.harness]
+    if s.mode == "mix":
+        return list(dict.fromkeys(s.harnesses))
+    return ["whitebox:" + c.name for c in design(s.space, s.space_seed)[0]]
+
+
+# The training-set variants of the harness-scaling experiment (docs/rollout.md, "Training-set variants"), as the
+# [scheduler] settings each one sets over configs/scaling.toml. Steps, groups per step, group size, tasks, seeds and
+# the cold start's demonstrations are the file's for all of them, so each trains on as many rollouts.
+SCALING_VARIANTS: dict[str, dict[str, Any]] = {
+    "single": {"mode": "single", "harness": "whitebox:S0T0O0C0W0"},
+    "published-k1": {"mode": "scaling", "space": "published", "k": 1, "assignment": "locality"},
+    "published-k2": {"mode": "scaling", "space": "published", "k": 2, "assignment": "locality"},
+    "published-k2-random": {"mode": "scaling", "space": "published", "k": 2, "assignment": "random"},
+    "repeat-2": {"mode": "scaling", "space": "published", "k": 2, "assignment": "repeat"},
+    "random-18": {"mode": "scaling", "space": "random18", "k": 2, "assignment": "locality"},
+    "all-243": {"mode": "scaling", "space": "all", "k": 2, "assignment": "locality"},
+}
+
 
 def load_tasks(src: TaskSource, run_dir: Path, folder: str = "tasks") -> list[Task]:
     """Built-in families are generated into ``run_dir/folder``; a folder source is read in place."""
@@ -150,8 +199,8 @@ class Planner:
     """An endless, seeded stream of (task, harness) groups for training steps."""
 
     def __init__(self, tasks: list[Task], mode: Literal["single", "mix", "scaling"], harness: str,
-                 harnesses: list[str], k: int, groups_per_step: int, seed: int,
-                 space: Literal["published", "generated"] = "published") -> None:
+                 harnesses: list[str], k: int, groups_per_step: int, seed: int, space: Space = "published", *,
+                 assignment: AssignmentRule = "locality", space_seed: int = 0) -> None:
         if not tasks:
             raise ValueError("[scheduler]: the task source produced no tasks")
         self.tasks = tasks
@@ -161,9 +210,11 @@ class Planner:
         self.k = k
         self.B = groups_per_step
         self.seed = seed
-        self.rng = random.Random(seed)
+        self.rng = random.Random(seed)  # the task order, alone: it is the same whatever the harnesses
+        self.harness_rng = random.Random(f"{seed}/harnesses")
+        self.assignment: AssignmentRule = assignment
         self._order: list[Task] = []
-        self.training = design(space, seed)[0] if mode == "scaling" else []
+        self.training = design(space, space_seed)[0] if mode == "scaling" else []
         self._blocks: list[list[tuple[Task, list[str]]]] = []
 
     def next_task(self) -> Task:
@@ -206,7 +257,7 @@ class Planner:
         block, j = divmod(step, self.k)
         while len(self._blocks) <= block:
             self._blocks.append([
-                (t, ["whitebox:" + c.name for c in locality_assignment(self.training, self.k, self.rng)])
+                (t, ["whitebox:" + c.name for c in assign(self.training, self.k, self.harness_rng, self.assignment)])
                 for t in (self.next_task() for _ in range(self.B))
             ])
         return [Assignment(t, hs[j], step) for t, hs in self._blocks[block]]

@@ -1,5 +1,6 @@
 """The benchmarks keep working: the proxy benchmark's throughput model on hand-checked cases and a short real
-run end to end, and short runs of the harness and engine prefix-cache benchmarks and of the fault campaign.
+run end to end, and short runs of the harness and engine prefix-cache benchmarks, of the fault campaign and of the
+harness-scaling ablations (with their settings and table checked by hand).
 
 No timing is asserted (these machines are noisy); the run checks that every path answered every request and that
 every table and verdict is printed.
@@ -265,3 +266,135 @@ def test_fault_campaign_short_run(tmp_path):
     assert all(r["reports"] and not any(rep["findings"] for rep in r["reports"]) for r in results)
     (sandbox,) = [f for r in results for f in r["faults"] if f["kind"] == "sandbox"]
     assert sandbox["target"].endswith(("-> harness_error", "-> sandbox_error")), sandbox
+
+
+@pytest.mark.slow
+def test_harness_scaling_short_run(tmp_path):
+    """benchmarks/harness_scaling.py in its CI form: two variants, one RL step each, a tiny white-box evaluation (the
+    real harnesses off): a row per variant with its training set, steps and rollouts, each column's pass@1 (out of
+    space: not run), the paired difference against single; --from re-prints it; a missing evaluation fails its row."""
+    sets = [f'run.model="{tmp_path / "model"}"', "experiment.build_model.tasks=40", "scheduler.tasks.count=40",
+            "run.steps=1", "run.groups_per_step=2", "scheduler.group_size=2", "scheduler.sft_groups=8",
+            "tree.sft_pack=8", "learner.sft_epochs=1", "eval.tasks.count=3", "eval.samples=1", "eval.ks=[1]"]
+    script = [sys.executable, str(ROOT / "benchmarks" / "harness_scaling.py")]
+    cmd = [*script, "--variants", "single", "published-k2", "--seeds", "0", "--configs", "2", "--no-out-of-space",
+           "--out", str(tmp_path / "hs")]
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=600, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
+    head = [c.strip() for c in lines[0].split("|")[1:-1]]
+    assert head[:7] == ["variant", "training set, K, assignment", "seeds", "RL steps", "RL rollouts", "train min",
+                        "eval min"]
+    assert head[7:] == ["held-out pass@1 [95 %]", "trained pass@1 [95 %]", "out-of-space pass@1 [95 %]",
+                        "held-out - single, paired [95 %]", "trained - single, paired [95 %]",
+                        "out-of-space - single, paired [95 %]"]
+    rows = {c[0]: c for c in ([x.strip() for x in ln.split("|")[1:-1]] for ln in lines[2:])}
+    assert list(rows) == ["single", "published-k2"] and all(len(r) == len(head) for r in rows.values())
+    single, k2 = rows["single"], rows["published-k2"]
+    assert single[1] == "S0T0O0C0W0, K = 1" and k2[1] == "published 18, K = 2, locality"
+    assert single[3:5] == k2[3:5] == ["1", "4"]  # compute held equal: 1 step of 2 groups x 2 rollouts each
+    for r in (single, k2):
+        assert r[7][0].isdigit() and r[8][0].isdigit() and r[9] == "not run"  # pass@1 of two columns
+    assert single[10:] == ["—"] * 3
+    assert "(n=" in k2[10] and "(n=" in k2[11] and k2[12] == "not run"
+    plan = json.loads((tmp_path / "hs" / "published-k2-seed0" / "plan.json").read_text())
+    assert len(plan["held-out"]) == len(plan["trained"]) == 2 and plan["out-of-space"] == []
+
+    # a row whose evaluation did not finish is refused, and the script fails
+    (tmp_path / "hs" / "published-k2-seed0" / "eval-space" / "eval" / "report.json").unlink()
+    again = subprocess.run([*script, "--from", str(tmp_path / "hs")], cwd=str(ROOT), capture_output=True, text=True,
+                           timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert again.returncode == 1
+    assert "| published-k2 | failed: seed 0: held-out: the evaluation did not finish (no " in again.stdout
+    assert next(ln for ln in again.stdout.splitlines() if ln.startswith("| single |")).split("|")[2].strip() == (
+        "S0T0O0C0W0, K = 1")
+
+
+def _harness_scaling():
+    if "bench_harness_scaling" in sys.modules:
+        return sys.modules["bench_harness_scaling"]
+    spec = importlib.util.spec_from_file_location("bench_harness_scaling", ROOT / "benchmarks" / "harness_scaling.py")
+    assert spec is not None and spec.loader is not None
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its shared helper, as when it runs as a script
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return mod
+
+
+def test_harness_scaling_runs_validate_for_every_variant():
+    """Every training run and both evaluations of every variant are valid experiments (the out-of-space one, with
+    its Docker sandboxes and long context, included), each trains on the variant's set, and each variant's plan
+    evaluates the same held-out configurations and its own trained ones."""
+    from actors import REGISTRY
+    from pipeline.cli.evaluate import eval_experiment
+    from pipeline.core import config as cfg
+    from pipeline.core.runtime import make_resolver
+    from pipeline.rollout.harness_space import PUBLISHED_HELD_OUT
+    from pipeline.rollout.scheduling import training_harnesses
+
+    hs, resolve = _harness_scaling(), make_resolver(REGISTRY)
+    for name in hs.SCALING_VARIANTS:
+        train = cfg.load_experiment("scaling", resolve, hs.train_sets(name, 1, []))
+        sched = train.sections["scheduler"]
+        assert (sched.seed, train.sections["eval"].every_steps) == (1, 0)
+        cols = hs.plan(name, 6, out_of_space=True)
+        assert cols["held-out"] == ["whitebox:" + n for n in PUBLISHED_HELD_OUT[::3]]
+        assert set(cols["trained"]) <= set(training_harnesses(sched)) and len(cols["trained"]) == (
+            1 if name == "single" else 6)
+        assert cols["out-of-space"] == ["claude-code", "codex", "qwen-code", "openclaw"]
+        jobs = dict(hs.eval_jobs(name, cols, []))
+        assert list(jobs) == ["eval-space", "eval-oos"]
+        for folder, overrides in jobs.items():
+            exp, _ = eval_experiment(cfg.load_experiment("scaling", resolve, overrides), resolve)
+            ev = exp.sections["eval"]
+            assert ev.standalone and ev.columns == []
+            if folder == "eval-oos":
+                assert ev.harnesses == cols["out-of-space"] and exp.sections["sandbox"].backend == "docker"
+                assert exp.sections["proxy"].context_len == 32768
+            else:
+                assert set(ev.harnesses) == set(cols["held-out"] + cols["trained"])
+
+
+def test_harness_scaling_table_by_hand(tmp_path):
+    """Two seeds pool into one row per variant; the paired difference against single matches (task, harness) pairs
+    (the trained column pairs tasks, its configurations differing); a harness with no valid rollout fails its row."""
+    from pipeline.eval.report import Sample, build_report, write
+
+    hs = _harness_scaling()
+    held, trained_single, trained_k2 = "whitebox:" + "S0T2O1C1W2", "whitebox:S0T0O0C0W0", "whitebox:S0T1O1C1W1"
+
+    def fake(name, seed, outcomes, statuses=None):
+        where = tmp_path / f"{name}-seed{seed}"
+        (where / "train").mkdir(parents=True)
+        (where / "train" / "metrics.jsonl").write_text(
+            json.dumps({"kind": "rl_step", "step": 1, "rollouts": 4}) + "\n")
+        trained = trained_single if name == "single" else trained_k2
+        (where / "plan.json").write_text(json.dumps({"held-out": [held], "trained": [trained], "out-of-space": []}))
+        samples = [Sample(task_id=f"t{i}", family="f", harness=h, column="custom", reward=float(ok),
+                          status=(statuses or {}).get(h, "ok"))
+                   for h, oks in ((held, outcomes[0]), (trained, outcomes[1])) for i, ok in enumerate(oks)]
+        write(build_report(samples, [1]), where / "eval-space" / "eval")
+        return hs.measure(tmp_path, name, seed, None, [])
+
+    rows = {"single": [fake("single", 0, ([0, 0], [1, 0])), fake("single", 1, ([0, 1], [1, 1]))],
+            "published-k2": [fake("published-k2", 0, ([1, 0], [1, 1])), fake("published-k2", 1, ([1, 1], [1, 1]))]}
+    assert not any(r.error for rs in rows.values() for r in rs)
+    lines = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
+             for ln in hs.table(rows).splitlines()[2:]}
+    single, k2 = lines["single"], lines["published-k2"]
+    assert single[1:4] == ["0, 1", "1/1", "4/4"] and single[6].startswith("0.250 [") and single[7].startswith("0.750 [")
+    assert k2[6].startswith("0.750 [") and k2[7].startswith("1.000 [") and k2[8] == "not run"
+    # held-out: 4 pairs, differences 1, 0, 1, 0; trained: per (seed, task) 0, 1, 0, 0
+    assert k2[9].startswith("0.500 [") and k2[9].endswith("(n=4)") and k2[10].startswith("0.250 [")
+    assert single[9:] == ["—"] * 3
+
+    rows["published-k2"][1] = fake("published-k2", 2, ([1, 1], [0, 0]), statuses={trained_k2: "sandbox_error"})
+    line = next(ln for ln in hs.table(rows).splitlines() if ln.startswith("| published-k2 |"))
+    assert line == (f"| published-k2 | failed: seed 2: trained: no valid rollout through {trained_k2} (2 excluded as "
+                    "infrastructure failures); see eval-space.log |")

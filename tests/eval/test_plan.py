@@ -25,6 +25,27 @@ def test_columns_follow_the_space():
     assert column_of("whitebox:" + custom) == "custom"
 
 
+def test_columns_of_the_random18_and_all_spaces():
+    from pipeline.rollout.harness_space import design
+
+    drawn = design("random18", seed=2)[0][0].name
+    assert column_of("whitebox:" + drawn, "random18", 2) == "in-space"
+    assert column_of("whitebox:" + PUBLISHED_HELD_OUT[0], "random18", 2) == "held-out"
+    # every configuration is trained on under "all", the published held-out ones too
+    assert column_of("whitebox:" + PUBLISHED_HELD_OUT[0], "all") == "in-space"
+    s = EvalSettings(columns=["in-space"], configs_per_column=4, space="random18", space_seed=2)
+    assert [h for h, _ in harnesses(s)] == ["whitebox:" + c.name for c in design("random18", seed=2)[0][::4][:4]]
+
+
+def test_spread_takes_n_evenly_from_the_first():
+    from pipeline.eval.plan import spread
+
+    assert spread(list(range(18)), 6) == [0, 3, 6, 9, 12, 15]
+    assert spread(list(range(18)), 0) == list(range(18)) and spread([1, 2], 5) == [1, 2]
+    assert spread(list(range(243)), 6) == [0, 40, 80, 120, 160, 200]
+    assert spread(["a"], 6) == ["a"]
+
+
 def test_harness_list_expands_columns_without_repeats():
     s = EvalSettings(columns=["in-space", "held-out"], configs_per_column=3,
                      harnesses=["claude-code", "whitebox:" + PUBLISHED_TRAINING[0]])

@@ -20,6 +20,7 @@ from pipeline.rollout.harness_space import (
     PUBLISHED_TRAINING,
     HarnessConfig,
     all_configs,
+    assign,
     design,
     held_out_configs,
     locality_assignment,
@@ -193,6 +194,25 @@ def test_published_space_is_the_default_and_keeps_the_papers_held_out_set_out_of
         design("nope")
 
 
+def test_random18_is_a_seeded_draw_of_18_outside_the_published_held_out_set():
+    train, held = design("random18", seed=0)
+    names = [c.name for c in train]
+    assert len(names) == len(set(names)) == 18
+    assert set(train) <= set(all_configs())
+    assert not set(names) & set(PAPER_TABLE_8)  # so its held-out column is still never trained on
+    assert [c.name for c in held] == PAPER_TABLE_8
+    assert design("random18", seed=0) == (train, held)  # reproducible
+    assert set(design("random18", seed=1)[0]) != set(train)  # another seed, another draw
+    assert set(train) != set(design()[0])  # not the published design
+
+
+def test_all_is_the_243_configurations_with_the_published_held_out_set_trained_on_too():
+    train, held = design("all")
+    assert len({c.name for c in train}) == len(train) == 243
+    assert train == all_configs() and [c.name for c in held] == PAPER_TABLE_8
+    assert set(held) <= set(train)
+
+
 def test_scaling_planner_trains_on_the_chosen_space_only():
     from pipeline.rollout.scheduling import Planner
     from pipeline.rollout.tasks import Task, TaskConfig
@@ -260,6 +280,47 @@ def test_assignment_is_the_anchor_plus_its_k_minus_1_nearest(seed, k):
 def test_assignment_rejects_bad_k():
     with pytest.raises(ValueError, match="k=19"):
         locality_assignment(training_configs(), 19, random.Random(0))
+
+
+def test_random_assignment_draws_k_distinct_training_configurations_at_any_distance():
+    train = [HarnessConfig.parse(n) for n in ["S0T0O0C0W0", "S0T0O0C0W1", "S2T2O2C2W2"]]
+    pairs = set()
+    for seed in range(60):
+        got = assign(train, 2, random.Random(seed), "random")
+        assert len(set(got)) == 2 and set(got) <= set(train)
+        pairs.add(frozenset(got))
+    # locality never pairs S0T0O0C0W0 with S2T2O2C2W2 (distance 5: its neighbour is at 1); random does
+    assert frozenset({train[0], train[2]}) in pairs and len(pairs) == 3
+    with pytest.raises(ValueError, match="k=4"):
+        assign(train, 4, random.Random(0), "random")
+
+
+def test_repeat_assignment_is_one_configuration_k_times():
+    train = [HarnessConfig.parse(n) for n in PAPER_TABLE_6]
+    firsts = set()
+    for seed in range(200):
+        got = assign(train, 3, random.Random(seed), "repeat")
+        assert got == [got[0]] * 3 and got[0] in train
+        firsts.add(got[0])
+    assert firsts == set(train)  # drawn from the whole training set
+    assert assign(train[:1], 5, random.Random(0), "repeat") == [train[0]] * 5  # K may exceed the set
+
+
+def test_locality_rule_is_locality_assignment_unchanged():
+    train = training_configs()
+    for seed in range(20):
+        assert assign(train, 3, random.Random(seed), "locality") == locality_assignment(train, 3, random.Random(seed))
+    with pytest.raises(ValueError, match="'nearest'"):
+        assign(train, 2, random.Random(0), "nearest")  # type: ignore[arg-type]
+
+
+@given(st.integers(0, 10**6), st.integers(1, 18), st.sampled_from(["locality", "random", "repeat"]))
+@settings(max_examples=60, deadline=None)
+def test_every_rule_gives_k_training_configurations_reproducibly(seed, k, rule):
+    train = design()[0]
+    got = assign(train, k, random.Random(seed), rule)
+    assert got == assign(train, k, random.Random(seed), rule) and len(got) == k and set(got) <= set(train)
+    assert len(set(got)) == (1 if rule == "repeat" else k)
 
 
 # --------------------------------------------------------------------------------------- tool interface

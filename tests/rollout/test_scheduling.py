@@ -1,11 +1,26 @@
 """Scheduler decisions: harness modes, oracle scripts, the staleness bound."""
 
+import json
 from collections import Counter
 
 import pytest
 
-from pipeline.rollout.harness_space import HarnessConfig, design
-from pipeline.rollout.scheduling import Planner, may_issue, oracle_script, rollout_requests
+from pipeline.rollout.harness_space import (
+    PUBLISHED_HELD_OUT,
+    PUBLISHED_TRAINING,
+    HarnessConfig,
+    all_configs,
+    design,
+)
+from pipeline.rollout.scheduling import (
+    SCALING_VARIANTS,
+    Planner,
+    SchedulerSettings,
+    may_issue,
+    oracle_script,
+    rollout_requests,
+    training_harnesses,
+)
 from pipeline.rollout.taskgen import generate_to
 
 
@@ -46,6 +61,122 @@ def test_scaling_mode_uses_k_nearest_training_configs_over_k_steps(tasks):
         assert ca in train and cb in train and ca != cb
         nearest = min(ca.distance(c) for c in train if c != ca)
         assert ca.distance(cb) == nearest  # the second harness is one of the anchor's nearest
+
+
+# ------------------------------------------------------------------------------- harness-scaling variants
+def variant(tasks, name, groups_per_step=3, seed=0):
+    s = SchedulerSettings(**SCALING_VARIANTS[name])
+    p = Planner(tasks, s.mode, s.harness, s.harnesses, s.k, groups_per_step, seed, s.space, assignment=s.assignment,
+                space_seed=s.space_seed)
+    return s, p
+
+
+def per_task_harnesses(s, p, blocks):
+    """Each task's configurations over each block of K steps (K = 1 in single mode), in step order."""
+    k = s.k if s.mode == "scaling" else 1
+    out = []
+    for b in range(blocks):
+        steps = [p.step(b * k + j) for j in range(k)]
+        assert all([a.task.id for a in st] == [a.task.id for a in steps[0]] for st in steps)  # one block, one set
+        out += [[HarnessConfig.parse(steps[j][i].harness) for j in range(k)] for i in range(len(steps[0]))]
+    return out
+
+
+# what each variant trains on, by the tables published in the paper (and pinned in harness_space)
+PUBLISHED = set(PUBLISHED_TRAINING)
+EXPECTED_TRAINING = {
+    "single": {"S0T0O0C0W0"},
+    "published-k1": PUBLISHED,
+    "published-k2": PUBLISHED,
+    "published-k2-random": PUBLISHED,
+    "repeat-2": PUBLISHED,
+    "all-243": {c.name for c in all_configs()},
+}
+
+
+def test_the_variants_are_the_papers_ablations():
+    assert set(SCALING_VARIANTS) == {*EXPECTED_TRAINING, "random-18"}
+    ks = {n: SchedulerSettings(**v).k if v["mode"] == "scaling" else 1 for n, v in SCALING_VARIANTS.items()}
+    assert ks == {"single": 1, "published-k1": 1, "published-k2": 2, "published-k2-random": 2, "repeat-2": 2,
+                  "random-18": 2, "all-243": 2}
+
+
+@pytest.mark.parametrize("name", sorted(SCALING_VARIANTS))
+def test_each_variant_trains_on_its_set_with_its_assignment(tasks, name):
+    s, p = variant(tasks, name)
+    trained = [h.removeprefix("whitebox:") for h in training_harnesses(s)]
+    assert len(trained) == len(set(trained))
+    if name == "random-18":
+        assert len(trained) == 18 and not set(trained) & set(PUBLISHED_HELD_OUT)
+        assert set(trained) <= {c.name for c in all_configs()} and set(trained) != PUBLISHED
+    else:
+        assert set(trained) == EXPECTED_TRAINING[name]
+    train = {HarnessConfig.parse(n) for n in trained}
+    groups = per_task_harnesses(s, p, blocks=30)
+    assert {c for hs in groups for c in hs} <= train
+    k = len(groups[0])
+    assert all(len(hs) == k for hs in groups)
+    if k == 1:
+        return
+    rule = s.assignment
+    for first, second in groups:
+        if rule == "repeat":
+            assert first == second
+        else:
+            assert first != second
+        if rule == "locality":  # the second is one of the anchor's nearest training configurations
+            assert first.distance(second) == min(first.distance(c) for c in train if c != first)
+    if rule == "random":  # not only nearest neighbours: over 90 tasks some pair lies farther apart
+        assert any(a.distance(b) > min(a.distance(c) for c in train if c != a) for a, b in groups)
+
+
+def test_every_variant_sees_the_same_tasks_for_one_seed(tasks):
+    """The task stream ignores the harness choice: variants with the same K train on the same tasks in the same
+    order, and single mode on the same as K = 1 (the paired comparison of benchmarks/harness_scaling.py)."""
+    def stream(name, steps=8):
+        _, p = variant(tasks, name, seed=4)
+        return [[a.task.id for a in p.step(i)] for i in range(steps)]
+
+    k2 = [n for n, v in SCALING_VARIANTS.items() if v.get("k") == 2]
+    assert len(k2) == 5 and all(stream(n) == stream("published-k2") for n in k2)
+    assert stream("single") == stream("published-k1")
+    one, two = stream("published-k1"), stream("published-k2")
+    assert two[0] == two[1] and one[0] == two[0] and one[1] == two[2]  # K = 2 repeats each block's tasks
+
+
+def test_variant_settings_validate_and_bad_combinations_are_refused():
+    from actors import REGISTRY
+    from pipeline.core import config as cfg
+    from pipeline.core.runtime import make_resolver
+
+    resolve = make_resolver(REGISTRY)
+
+    def load(**overrides):
+        sets = [f"{k.replace('__', '.')}={json.dumps(v)}" for k, v in overrides.items()]
+        return cfg.load_experiment("scaling", resolve, sets)
+
+    for name, v in SCALING_VARIANTS.items():
+        space = {"eval__space": v["space"]} if "space" in v else {}
+        exp = load(**{f"scheduler__{k}": x for k, x in v.items()}, **space)
+        assert training_harnesses(exp.sections["scheduler"]) == training_harnesses(SchedulerSettings(**v)), name
+    refused = [
+        ({"scheduler__k": 19}, r'\[scheduler\].k = 19: assignment = "locality" .* space = "published" has 18'),
+        ({"scheduler__mode": "single", "scheduler__assignment": "repeat"},
+         r'\[scheduler\]: assignment = \'repeat\': only mode = "scaling" reads it'),
+        ({"scheduler__mode": "mix", "scheduler__harnesses": ["codex"], "scheduler__space": "all"},
+         r"space = 'all': only mode"),
+        ({"scheduler__space": "random18"},
+         r"\[eval\].space = 'published', space_seed = 0 but \[scheduler\] trains on space = 'random18'"),
+        ({"scheduler__space": "random18", "eval__space": "random18", "scheduler__space_seed": 3},
+         r"space_seed = 0 but \[scheduler\] trains on space = 'random18', space_seed = 3"),
+        ({"scheduler__space": "nope"}, r"nope"),
+    ]
+    for overrides, match in refused:
+        with pytest.raises(cfg.ConfigError, match=match):
+            load(**overrides)
+    load(scheduler__k=19, scheduler__space="all", scheduler__assignment="random", eval__space="all")  # 19 of 243
+    # repeat may give a task more passes than the set has configurations: one configuration K times
+    load(scheduler__k=19, scheduler__assignment="repeat")
 
 
 def test_oracle_script_follows_the_tool_interface(tasks):
