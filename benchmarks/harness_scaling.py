@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Does training across more harness configurations generalize better? (Harness Scaling; issue #35.) Every
+"""Does training across more harness configurations generalize better? (the Harness Scaling paper's claim.) Every
 training-set variant of `configs/scaling.toml` trained with the same model, tasks, seed and compute, then its final
 policy evaluated on the same held-out tasks in three columns, paired against the single-configuration variant.
 
