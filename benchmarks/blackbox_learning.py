@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from _quickstart import run_logged  # benchmarks/ is sys.path[0] when run as a script
 
 from pipeline.cli.evaluate import latest_weights, load_report
 from pipeline.core.eventlog import EventLogReader
@@ -68,34 +69,20 @@ class Row:
     error: str = ""
 
 
-def _run(cmd: list[str], log: Path) -> None:
-    """``cmd`` from the repository root, its output to ``log``; raises with the log's end when it fails."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
-        r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False)
-    if r.returncode:
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}; log {log}:\n{tail}")
-
-
 def _harness_sets(harness: str) -> list[str]:
     return [f'scheduler.harness="{harness}"', f'eval.harnesses=["{harness}"]']
 
 
-def _cmd(*args: str, sets: list[str]) -> list[str]:
-    cmd = [sys.executable, "run.py", "--experiment", EXPERIMENT, "--no-watch", "--set", 'monitor.display="off"',
-           *args]
-    for s in sets:
-        cmd += ["--set", s]
-    return cmd
+def _run(*args: str, sets: list[str], log: Path) -> None:
+    run_logged(["--experiment", EXPERIMENT, "--no-watch", *args], sets, log)
 
 
 def train(run_dir: Path, harness: str, seed: int, sets: list[str]) -> float:
     """The training run; returns its wall seconds. Every policy folder is kept (the SFT one is evaluated)."""
     seeds = [f"{k}.seed={seed}" for k in ("experiment", "scheduler", "learner.train", "learner.sft")]
     t0 = time.monotonic()
-    _run(_cmd("--run-dir", str(run_dir), sets=[*_harness_sets(harness), *seeds, "learner.keep_weights=1000", *sets]),
-         run_dir.with_name(run_dir.name + ".log"))
+    _run("--run-dir", str(run_dir), sets=[*_harness_sets(harness), *seeds, "learner.keep_weights=1000", *sets],
+         log=run_dir.with_name(run_dir.name + ".log"))
     return time.monotonic() - t0
 
 
@@ -109,8 +96,8 @@ def sft_policy(run_dir: Path) -> Path:
 
 
 def evaluate(eval_dir: Path, harness: str, policy: Path, sets: list[str]) -> None:
-    _run(_cmd("--eval", "--model", str(policy), "--run-dir", str(eval_dir), sets=[*_harness_sets(harness), *sets]),
-         eval_dir.with_name(eval_dir.name + ".log"))
+    _run("--eval", "--model", str(policy), "--run-dir", str(eval_dir), sets=[*_harness_sets(harness), *sets],
+         log=eval_dir.with_name(eval_dir.name + ".log"))
 
 
 def pass1(eval_dir: Path) -> tuple[Estimate, dict[str, float]]:
