@@ -264,7 +264,11 @@ def run(args: argparse.Namespace, resolve: Resolver) -> int:
         print("run.py: --model and --checkpoint go with --eval", file=sys.stderr)
         return 2
     if args.validate:
-        print(f"{path}: ok ({len(exp.graph.actors)} actors)")
+        from pipeline.core.graphs import describe
+
+        origin = f'preset "{exp.preset}"' if exp.preset else "custom graph"
+        print(f"{path}: ok; {origin}, {len(exp.graph.actors)} actors (name, kind, where each output goes):")
+        print("\n".join(describe(exp.graph.actors, exp.graph.parsed_edges(), exp.graph.stop_after)))
         return 0
     rd = launch.prepare(exp, args.run_dir)
     if args.serve:

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from pipeline.core import config as cfg
+from pipeline.core import graphs
 from pipeline.core.eventlog import EventLogReader
 from pipeline.core.logs import get_logger
 from pipeline.core.runtime import Resolver
@@ -30,7 +31,6 @@ from pipeline.eval.run import (
 from pipeline.messages import PolicyUpdated, SettledRollout
 
 # What an evaluation runs of an experiment's graph: everything else (scheduler, tree builder, learner) is left out.
-EVAL_KINDS = ("evaluator", "proxy", "sandbox", "collector", "monitor")
 
 
 def latest_weights(run_dir: Path) -> Path:
@@ -87,10 +87,10 @@ def eval_experiment(exp: cfg.Experiment, resolve: Resolver, *, model: str | None
         raise cfg.ConfigError(f"{exp.source}: --eval needs an actor of kind \"evaluator\" in [graph].actors and its "
                               "section (configs/quickstart.toml has one: [eval])")
     raw: dict[str, Any] = exp.to_dict()
-    keep = {n for n, k in exp.graph.actors.items() if k in EVAL_KINDS}
+    keep = {n for n, k in exp.graph.actors.items() if k in graphs.EVAL_KINDS}
     graph = raw["graph"]
     graph["actors"] = {n: k for n, k in graph["actors"].items() if n in keep}
-    graph["edges"] = [e for e in graph["edges"] if all(p.strip().split(".")[0] in keep for p in e.split("->"))]
+    graph["edges"] = graphs.keep_edges(graph["edges"], keep)
     graph["stop_after"] = [ev[0]]
     graph["inbox_sizes"] = {n: v for n, v in graph.get("inbox_sizes", {}).items() if n in keep}
     for name in list(raw):
@@ -112,6 +112,7 @@ def eval_experiment(exp: cfg.Experiment, resolve: Resolver, *, model: str | None
     raw["experiment"]["name"] = f"{exp.name}-eval"
     out = cfg.load_experiment(raw, resolve)
     out.source = f"{exp.source} (--eval)"
+    out.preset = "eval" if exp.preset == "train" else None
     _require_edges(out, ev[0])
     return out, out.run.model
 

@@ -27,7 +27,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from pipeline.core import legacy
+from pipeline.core import graphs
 from pipeline.core.paths import CONFIG_DIR
 
 
@@ -122,7 +122,7 @@ class Experiment:
     sections: dict[str, Section]
     overrides: list[str] = field(default_factory=list)
     run: RunSection = field(default_factory=RunSection)
-    notes: list[str] = field(default_factory=list)  # what loading changed (legacy layouts migrated), for the log
+    preset: str | None = None  # the graph preset [graph] named (pipeline/core/graphs.py); None: a custom graph
 
     @property
     def name(self) -> str:
@@ -240,6 +240,8 @@ def _hint(typ: type, path: list[str], what: str) -> tuple[str, str | None]:
         struct = _struct_in(_struct_at(typ, path))
         if struct is None:
             return "", name
+        if struct is not RunSection and name in {f.encode_name for f in msgspec.structs.fields(RunSection)}:
+            return f"; it is set once for every actor, in [run] ({name} = ...)", name
         known = [f.encode_name for f in msgspec.structs.fields(struct)]
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
         if close:
@@ -286,11 +288,10 @@ def load_experiment(
     """Read, override and validate an experiment. ``resolve(kind)`` returns the actor class of a kind."""
     overrides = list(overrides or [])
     source, raw = _read_experiment(name_or_path)
+    raw = apply_overrides(raw, overrides)
     try:
-        notes = legacy.migrate(raw, source)  # before overrides: --set run.x=... also works on an old file
-        raw = apply_overrides(raw, overrides)
-        legacy.refuse_moved(raw, source)
-    except legacy.LegacyError as e:
+        preset = graphs.expand(raw, source)
+    except graphs.PresetError as e:
         raise ConfigError(str(e)) from None
     _check_finite(source, raw, overrides)
     exp = _decode(source, "experiment", raw.pop("experiment", {}), ExperimentSection, overrides)
@@ -300,7 +301,7 @@ def load_experiment(
     sections = {name: _decode_actor_section(source, graph, name, kind, raw.get(name, {}), resolve, overrides)
                 for name, kind in graph.actors.items()}
     out = Experiment(source=source, experiment=exp, graph=graph, sections=sections, overrides=overrides, run=run,
-                     notes=notes)
+                     preset=preset)
     for name, sec in sections.items():
         try:
             sec.check(name, out)
@@ -358,7 +359,8 @@ def _read_experiment(name_or_path: str | Path | dict[str, Any]) -> tuple[str, di
 def _check_graph(source: str, graph: GraphSection, actor_sections: list[str]) -> None:
     """Every actor the edges and stop_after name exists, and every remaining section belongs to an actor."""
     if not graph.actors:
-        raise ConfigError(f"{source}: [graph].actors is empty; name at least one actor, e.g. actors = {{ a = \"kind\" }}")
+        raise ConfigError(f"{source}: [graph].actors is empty; name at least one actor, e.g. actors = {{ a = \"kind\" }}, "
+                          f"or a preset: {', '.join(graphs.PRESETS)}")
     names = set(graph.actors)
     for src, _out, dst in graph.parsed_edges():
         for n in (src, dst):

@@ -23,8 +23,9 @@ and continued as they are. With
 :class:`AsyncEventLog` the buffer is written by a worker thread at least every ``flush_interval`` seconds, so a
 ``kill -9`` loses at most that much.
 
-Logs of schema 1 (magic ``BRDLLOG1``: u32 length + payload, no checks) are still read; their messages are upgraded
-to the current schema by :func:`pipeline.core.legacy.upgrade_event`.
+Frames of the first format (magic ``BRDLLOG1``: u32 length + payload, no checks) are still read. Messages of an
+older schema than :data:`pipeline.messages.SCHEMA_VERSION` are refused with the version named: replay such a log
+with the bridle that wrote it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import anyio
 import msgspec
 import numpy as np
 
-from pipeline.core import legacy
 from pipeline.core.logs import get_logger
 from pipeline.messages import SCHEMA_VERSION, Event, Message
 
@@ -279,6 +279,11 @@ class EventLogReader:
                 f"{self.path}: schema version {self.header.schema_version} is newer than this bridle's "
                 f"{SCHEMA_VERSION}; upgrade bridle to read it"
             )
+        if self.header.schema_version < SCHEMA_VERSION:
+            raise EventLogError(
+                f"{self.path}: message schema {self.header.schema_version}, written by a bridle older than "
+                f"2026-12-02; this one reads schema {SCHEMA_VERSION}: replay it with the bridle that wrote it"
+            )
         self._log = get_logger(component="eventlog", path=str(self.path))
 
     def _read_frame(self, off: int) -> tuple[memoryview | None, int]:
@@ -385,7 +390,6 @@ class EventLogReader:
     def iter_with_offsets(self, start: int | None = None) -> Iterator[tuple[int, Event]]:
         """Yield (offset just after the frame, event); the offset is what a checkpoint stores to resume from."""
         dec = msgspec.msgpack.Decoder(Event)
-        upgrade = self.header.schema_version < SCHEMA_VERSION
         off = self._start if start is None else start
         self._check_seq = start is None or start == self._start
         if start is None or start == self._start:
@@ -404,8 +408,6 @@ class EventLogReader:
                     self._cut(off, f"last frame at byte {off} does not decode ({e}); reading stops there")
                     break
                 raise EventLogError(f"{self.path}: frame at byte {off} does not decode: {e}") from e
-            if upgrade:
-                ev.msg = legacy.upgrade_event(ev.msg, self.header.schema_version, self.header.config)
             frames += 1
             off = end
             yield off, ev

@@ -215,7 +215,7 @@ def test_cross_section_checks_name_both_fields():
 
 def test_distributed_weight_sync_needs_the_engines_edge():
     quickstart(['learner.weight_sync="distributed"'])  # the shipped configs have the edge
-    raw = tomllib.loads(cfg.resolve_experiment_path("quickstart").read_text())
+    raw = quickstart().to_dict()  # the preset spelled out: a custom graph
     raw["graph"]["edges"].remove("proxy.engines -> learner")
     cfg.load_experiment(raw, resolve)  # disk: no edge needed
     with pytest.raises(cfg.ConfigError, match=r'\[learner\].weight_sync = "distributed" needs .*"<proxy>.engines -> '
@@ -227,60 +227,18 @@ def test_dynamic_sampling_needs_the_resample_edge_and_grpo():
     quickstart(["run.dynamic_sampling=2"])  # the shipped configs have the edge
     with pytest.raises(cfg.ConfigError, match=r"dynamic_sampling .*\[learner.train\].advantage is \"ppo\""):
         quickstart(["run.dynamic_sampling=2", 'learner.train.advantage="ppo"'])
-    raw = tomllib.loads(cfg.resolve_experiment_path("quickstart").read_text())
+    raw = quickstart().to_dict()  # the preset spelled out: a custom graph
     raw["graph"]["edges"].remove("learner.resample -> scheduler")
     cfg.load_experiment(raw, resolve)  # off: no edge needed
     with pytest.raises(cfg.ConfigError, match=r'dynamic_sampling = 2 .*add "learner.resample -> <scheduler>"'):
         cfg.load_experiment(raw, resolve, ["run.dynamic_sampling=2"])
 
 
-def test_moved_fields_are_refused_with_their_new_place():
-    with pytest.raises(cfg.ConfigError, match=r"\[learner\].steps -> \[run\].steps"):
+def test_fields_of_run_are_set_only_in_run():
+    with pytest.raises(cfg.ConfigError, match=r"learner.steps=3: .*unknown field steps; it is set once for every actor, in \[run\]"):
         quickstart(["learner.steps=3"])
-    with pytest.raises(cfg.ConfigError, match=r"\[proxy\].engine.model -> \[run\].model"):
+    with pytest.raises(cfg.ConfigError, match=r"\[proxy.engine\].model moved to \[run\].model"):
         quickstart(['proxy.engine.model="/m"'])
-    with pytest.raises(cfg.ConfigError, match=r"\[learner\].sft_packs \(derived now"):
-        quickstart(["learner.sft_packs=3"])
-
-
-LEGACY = """
-[experiment]
-name = "old"
-[experiment.build_model]
-path = "/models/m"
-[graph]
-actors = { scheduler = "scheduler", proxy = "proxy", learner = "learner" }
-[scheduler]
-steps = 7
-groups_per_step = 3
-max_staleness = 2
-[proxy.engine]
-kind = "scripted"
-script = "configs/scripts/hello.json"
-model = "/models/m"
-[learner]
-model = "/models/m"
-steps = 7
-groups_per_step = 3
-sft_packs = 4
-[learner.train]
-temperature = 1.0
-"""
-
-
-def test_a_legacy_layout_is_migrated_once_into_run(tmp_path):
-    exp = load(tmp_path, LEGACY)
-    assert (exp.run.model, exp.run.steps, exp.run.groups_per_step, exp.run.max_staleness) == ("/models/m", 7, 3, 2)
-    assert exp.notes and "[scheduler].steps -> [run].steps" in exp.notes[0] and "sft_packs dropped" in exp.notes[0]
-    again = cfg.load_experiment(write(tmp_path, exp.to_toml(), "again.toml"), resolve)  # what a run records reads back as is
-    assert again.run == exp.run and not again.notes
-    # --set works on a legacy file, in the new place
-    assert load(tmp_path, LEGACY, ["run.steps=2"]).run.steps == 2
-
-
-def test_legacy_copies_that_disagree_are_an_error_naming_both(tmp_path):
-    with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].groups_per_step = 3 but \[learner\].groups_per_step = 4"):
-        load(tmp_path, LEGACY.replace("steps = 7\ngroups_per_step = 3\nsft_packs", "steps = 7\ngroups_per_step = 4\nsft_packs"))
 
 
 def test_run_reload_is_offered_to_every_actor(tmp_path):
@@ -341,3 +299,53 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path):
     p.write_bytes('[experiment]\nname = "caf\xe9"\n'.encode("latin-1"))
     with pytest.raises(cfg.ConfigError, match=r"latin1.toml: not UTF-8 text \(byte \d+ is b'\\xe9'\)"):
         cfg.load_experiment(str(p), resolve)
+
+
+# ------------------------------------------------------------------------------------------------ graph presets
+SCRIPTED = '[run]\nmodel = "m"\n[proxy.engine]\nkind = "scripted"\nscript = "configs/scripts/hello.json"\n'
+
+
+def test_a_file_without_graph_trains_with_the_train_preset(tmp_path):
+    from pipeline.core import graphs
+    exp = load(tmp_path, '[experiment]\nname = "mine"\n' + SCRIPTED)
+    assert exp.preset == "train" and exp.graph.actors == graphs.TRAIN_ACTORS
+    assert exp.graph.edges == graphs.TRAIN_EDGES and exp.graph.stop_after == ["learner"]
+    # an [eval] section adds the evaluator; rounds during training make the run wait for the last one
+    ev = '\n[eval]\nharnesses = ["whitebox"]\n'
+    exp = load(tmp_path, SCRIPTED + ev)
+    assert exp.graph.actors["eval"] == "evaluator" and exp.graph.stop_after == ["learner"]
+    assert set(graphs.EVAL_EDGES) <= set(exp.graph.edges)
+    assert load(tmp_path, SCRIPTED + ev + "every_steps = 5\n").graph.stop_after == ["learner", "eval"]
+    # beside a preset, [graph] may still size the queues and say when the run ends
+    exp = load(tmp_path, SCRIPTED + '[graph]\nqueue_size = 7\ninbox_sizes = { learner = 2 }\n')
+    assert (exp.preset, exp.graph.queue_size, exp.graph.inbox_sizes) == ("train", 7, {"learner": 2})
+
+
+def test_serve_toy_and_eval_presets(tmp_path):
+    from pipeline.cli.evaluate import eval_experiment
+    assert load(tmp_path, SCRIPTED + '[graph]\npreset = "serve"\n').graph.actors == {"proxy": "proxy"}
+    toy = load(tmp_path, '[graph]\npreset = "toy"\n[source]\ncount = 2\n')
+    assert toy.graph.parsed_edges() == [("source", "out", "scale"), ("scale", "out", "sink")]
+    # the eval preset is what run.py --eval derives from a training file
+    ev = load(tmp_path, SCRIPTED + '[graph]\npreset = "eval"\n[eval]\nharnesses = ["whitebox"]\n')
+    derived, _ = eval_experiment(quickstart(), resolve)
+    assert (ev.graph.actors, sorted(ev.graph.edges), ev.graph.stop_after) == (
+        derived.graph.actors, sorted(derived.graph.edges), derived.graph.stop_after)
+    assert ev.sections["eval"].standalone and derived.preset == "eval"
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('[graph]\npreset = "train"\nactors = { proxy = "proxy" }\n', r"both preset = 'train' and actors"),
+    ('[graph]\nedges = ["a.b -> c"]\n', r"\[graph\].edges without \[graph\].actors"),
+    ('[graph]\npreset = "trian"\n', r"\[graph\].preset = 'trian': expected one of train, eval, serve, toy"),
+])
+def test_preset_mistakes_are_named(tmp_path, text, match):
+    with pytest.raises(cfg.ConfigError, match=match):
+        load(tmp_path, text)
+
+
+def test_no_shipped_config_restates_a_preset():
+    for path in sorted(cfg.CONFIG_DIR.glob("*.toml")):
+        graph = tomllib.loads(path.read_text()).get("graph", {})
+        assert "edges" not in graph and "actors" not in graph, f"{path.name} spells out a graph; name a preset"
+        cfg.load_experiment(path, resolve)

@@ -1,4 +1,4 @@
-"""Event log: write/read, a cut last frame, damage detected by the frame checks, schema-1 logs, offsets, the tap."""
+"""Event log: write/read, a cut last frame, damage detected by the frame checks, first-format frames, older schemas refused, offsets, the tap."""
 
 import random
 import re
@@ -175,10 +175,10 @@ def test_garbage_header_is_a_clear_error(tmp_path):
         EventLogReader(p)
 
 
-def test_schema_1_logs_are_still_read(tmp_path):
+def test_first_format_frames_are_still_read(tmp_path):
     """Logs written before the frame checks: magic BRDLLOG1, u32 length + payload."""
     enc = msgspec.msgpack.encode
-    h = enc(LogHeader(schema_version=1, run_id="old", created=0.0))
+    h = enc(LogHeader(schema_version=SCHEMA_VERSION, run_id="old", created=0.0))
     evs = [enc(Event(t=float(i), src="a.out", msg=Note(seq=i))) for i in range(5)]
     p = tmp_path / "old.msgpack"
     p.write_bytes(MAGIC_V1 + b"".join(struct.pack("<I", len(x)) + x for x in [h, *evs]))
@@ -186,6 +186,15 @@ def test_schema_1_logs_are_still_read(tmp_path):
     assert r.version == 1 and [e.msg.seq for e in r] == list(range(5))
     with pytest.raises(EventLogError, match="cannot be appended to"):
         EventLogWriter.reopen(p)
+
+
+def test_an_older_message_schema_is_refused_with_its_version(tmp_path):
+    enc = msgspec.msgpack.encode
+    p = tmp_path / "old.msgpack"
+    p.write_bytes(MAGIC_V1 + b"".join(struct.pack("<I", len(x)) + x
+                                      for x in [enc(LogHeader(schema_version=1, run_id="old", created=0.0))]))
+    with pytest.raises(EventLogError, match=f"message schema 1, .* reads schema {SCHEMA_VERSION}"):
+        EventLogReader(p)
 
 
 def test_not_a_log(tmp_path):

@@ -11,7 +11,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 def test_per_harness_numbers_of_a_recorded_log(tmp_path):
     log = tmp_path / "events.msgpack"
-    with gzip.open(DATA / "quickstart-schema1.events.msgpack.gz") as f, log.open("wb") as out:
+    with gzip.open(DATA / "quickstart.events.msgpack.gz") as f, log.open("wb") as out:
         shutil.copyfileobj(f, out)
     (s,) = report(log)
     assert (s.harness, s.rollouts, s.demonstrations, s.settled, s.statuses) == (
