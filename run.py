@@ -241,6 +241,11 @@ def resume(args: argparse.Namespace, resolve: Resolver) -> int:
 
     rd = launch.RunDir(Path(args.resume))
     exp = cfg.load_experiment(rd.config, resolve, args.overrides)
+    from pipeline.cli.preflight import problems
+
+    if found := problems(exp):
+        raise cfg.ConfigError(f"--resume {rd.path}: this machine cannot run it yet:\n"
+                              + "\n".join(f"  - {p}" for p in found))
     logs.configure(rd.log_file, level=exp.experiment.log_level)
     run_main(lambda: launch.resume_experiment(exp, resolve, rd, config_path=None if args.no_watch else rd.config))
     logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
@@ -263,6 +268,10 @@ def run(args: argparse.Namespace, resolve: Resolver) -> int:
     elif args.model or args.checkpoint:
         print("run.py: --model and --checkpoint go with --eval", file=sys.stderr)
         return 2
+    from pipeline.cli.preflight import problems
+
+    if found := problems(exp):
+        raise cfg.ConfigError(f"{path}: this machine cannot run it yet:\n" + "\n".join(f"  - {p}" for p in found))
     if args.validate:
         from pipeline.core.graphs import describe
 

@@ -80,3 +80,43 @@ def test_readme_stays_a_users_page():
     # The README says what bridle is, how to run and extend it; histories go to benchmarks/, internals to docs/.
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= 350, f"README.md has {lines} lines (at most 350): move details into docs/"
+
+
+TOML_BLOCK = re.compile(r"```toml\n(.*?)```", re.DOTALL)
+# What the snippets name on a user's machine, here: a task folder that exists.
+PLACEHOLDERS = {"/data/tasks": str(ROOT / "tests" / "data" / "harbor")}
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def test_every_toml_snippet_in_the_docs_validates(monkeypatch):
+    """A snippet with [run] or [experiment] is a whole experiment file; any other is a fragment of one, laid over
+    configs/quickstart.toml. Either way it must load as written (only the task folder's path is substituted, and
+    the judge's key variable set)."""
+    import tomllib
+
+    from actors import REGISTRY
+    from pipeline.core import config as cfg
+    from pipeline.core.runtime import make_resolver
+
+    monkeypatch.setenv("JUDGE_API_KEY", "set-by-the-test")
+    resolve = make_resolver(REGISTRY)
+    quickstart = tomllib.loads((ROOT / "configs" / "quickstart.toml").read_text(encoding="utf-8"))
+    checked = 0
+    for doc in docs():
+        for block in TOML_BLOCK.findall(doc.read_text(encoding="utf-8")):
+            for placeholder, here in PLACEHOLDERS.items():
+                block = block.replace(placeholder, here)
+            raw = tomllib.loads(block)
+            whole = "run" in raw or "experiment" in raw
+            try:
+                cfg.load_experiment(raw if whole else _merge(quickstart, raw), resolve)
+            except cfg.ConfigError as e:
+                raise AssertionError(f"{doc.relative_to(ROOT)}: a TOML snippet does not validate: {e}\n{block}") from e
+            checked += 1
+    assert checked >= 4

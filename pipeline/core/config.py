@@ -310,6 +310,26 @@ def load_experiment(
     return out
 
 
+def model_folder_problem(model: str, *, build: bool) -> str:
+    """What is wrong with ``[run].model`` as a folder ("" when nothing). Built (``[experiment.build_model]``): absent,
+    empty or a model bridle built there, never a folder of the user's. Otherwise: a Hugging Face model folder."""
+    out = Path(model)
+    if build:
+        if not out.exists() or (out.is_dir() and ((out / "bridle_model.json").is_file() or not any(out.iterdir()))):
+            return ""
+        what = ("a file" if not out.is_dir() else "a model bridle did not build" if (out / "config.json").is_file()
+                else "files that are not a model")
+        return (f"[run].model = {model!r} holds {what}; [experiment.build_model] builds a small policy there and "
+                "never writes over a folder of yours: remove [experiment.build_model] to train that model, or point "
+                "[run].model at a new folder")
+    if not out.is_dir():
+        return (f"[run].model = {model!r}: no such folder; give a local Hugging Face model folder (config.json, "
+                "weights, tokenizer), or add [experiment.build_model] to build a small CPU policy there")
+    if not (out / "config.json").is_file():
+        return f"[run].model = {model!r}: not a Hugging Face model folder (no config.json in it)"
+    return ""
+
+
 def _check_finite(source: str, raw: dict[str, Any], overrides: list[str]) -> None:
     """No setting is NaN or infinite (TOML writes them ``nan`` and ``inf``): a NaN coefficient or learning rate
     would silently destroy the policy, an infinite one too, and no bound can be checked against NaN."""

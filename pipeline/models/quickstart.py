@@ -22,6 +22,7 @@ token on a CPU (the 151,936-row head).
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,7 @@ import msgspec
 from harness_images.whitebox.agent import components as wb
 from harness_images.whitebox.agent.observe import observe
 from harness_images.whitebox.agent.tools import Tools
+from pipeline.core.config import model_folder_problem
 from pipeline.core.logs import get_logger
 from pipeline.models.small import VocabTable, create_small_model
 from pipeline.rollout import demonstrations
@@ -143,11 +145,14 @@ def vocabulary(spec: ModelSpec) -> VocabTable:
 def ensure_model(spec: ModelSpec) -> Path:
     """Build the model at ``spec.path`` unless it is already there (idempotent)."""
     out = Path(spec.path)
+    if (why := model_folder_problem(str(out), build=True)):
+        raise ValueError(why)
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         _check_built(spec, out)
         return out
     table = vocabulary(spec) if spec.vocabulary == "reduced" else None
     tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # what a build killed half-way left
     create_small_model(tmp, vocab=table, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
                        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                        max_position_embeddings=spec.max_position_embeddings, seed=spec.seed,
@@ -161,8 +166,6 @@ def ensure_model(spec: ModelSpec) -> Path:
 def _check_built(spec: ModelSpec, out: Path) -> None:
     """A model already built at the path must have the shape the spec asks for: a changed spec would otherwise
     train the old model silently."""
-    if not (out / "bridle_model.json").exists():
-        return  # the user's own model at that path: not ours to judge
     c = json.loads((out / "config.json").read_text())
     window = c.get("sliding_window") if "sliding_attention" in (c.get("layer_types") or []) else 0
     built = {"hidden_size": c.get("hidden_size"), "num_layers": c.get("num_hidden_layers"),

@@ -127,12 +127,12 @@ def test_the_built_in_qwen_renderer_is_refused_for_another_model_family(tmp_path
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(cfg.ConfigError) as e:
-        load(tmp_path, quickstart, [f'run.model="{model}"'])
+        load(tmp_path, quickstart, [f'run.model="{model}"', "experiment.build_model={}"])
     assert f'[proxy.engine].renderer = "qwen3" is the built-in Qwen3 chat template and tokenizer, but the model ({model}) ' \
            'is a "llama" model' in str(e.value) and f'Set [proxy.engine].renderer = "{model}"' in str(e.value)
-    load(tmp_path, quickstart, [f'run.model="{model}"', f'proxy.engine.renderer="{model}"'])
+    load(tmp_path, quickstart, [f'run.model="{model}"', "experiment.build_model={}", f'proxy.engine.renderer="{model}"'])
     (model / "config.json").write_text('{"model_type": "qwen3"}')
-    load(tmp_path, quickstart, [f'run.model="{model}"'])
+    load(tmp_path, quickstart, [f'run.model="{model}"', "experiment.build_model={}"])
     load(tmp_path, quickstart, [f'run.model="{tmp_path / "not-built-yet"}"'])
 
 

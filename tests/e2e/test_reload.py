@@ -297,16 +297,14 @@ async def test_learner_checkpoint_cadence_and_weights_kept_apply_at_the_next_ste
             for step in (1, 2):
                 g = group(random_paths(rng, 2), [1.0, 0.0], gid=f"g{step}")
                 await lv.inbox.send(msgspec.structs.replace(g, issued_version=step - 1))
-                with anyio.fail_after(120):
-                    await lv.wait_for("updates", step)
+                await lv.wait_for("updates", step, timeout_s=120)
             assert not (run_dir / "checkpoints").exists()  # 0: only after the last step
             assert len(list((run_dir / "weights").iterdir())) == 2
             c, kw = changed(c, checkpoint_every=1, keep_weights=1)
             await actor.on_config(c, kw)
             g = group(random_paths(rng, 2), [1.0, 0.0], gid="g3")
             await lv.inbox.send(msgspec.structs.replace(g, issued_version=2))
-            with anyio.fail_after(120):
-                (*_, third) = await lv.wait_for("updates", 3)
+            (*_, third) = await lv.wait_for("updates", 3, timeout_s=120)
             assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step00003"]
             assert [str(p) for p in (run_dir / "weights").iterdir()] == [third.weights_path]
     finally:

@@ -105,8 +105,11 @@ def test_eval_checks_name_the_fields():
         quickstart([*base, "eval.ks=[1, 8]"])
     with pytest.raises(cfg.ConfigError, match=r"\[eval\].tasks is \[scheduler\].tasks"):
         quickstart([*base, 'eval.tasks={tasks="builtin:create_word", count=40, seed=1000}'])
+    # the train preset waits for the last round; a custom graph must say so itself
+    assert quickstart(["eval.every_steps=5"]).graph.stop_after == ["learner", "eval"]
+    custom = quickstart([]).to_dict()
     with pytest.raises(cfg.ConfigError, match=r"add 'eval' to \[graph\].stop_after"):
-        quickstart([*base, "eval.every_steps=5"])
+        cfg.load_experiment(custom, make_resolver(REGISTRY), ["eval.every_steps=5"])
     with pytest.raises(cfg.ConfigError, match=r"\[eval\].standalone .* set by run.py --eval"):
         quickstart(["eval.standalone=true"])
     with pytest.raises(cfg.ConfigError, match=r"\[eval\]: nothing to evaluate"):

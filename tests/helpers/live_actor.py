@@ -21,10 +21,10 @@ class Live:
         self.arrived = anyio.Condition()  # notified on every message an output sends
         self.stopped = anyio.Event()  # set when the actor's run() returns by itself
 
-    async def wait_for(self, output: str, n: int) -> list[Message]:
-        """The first ``n`` messages of ``output``, waiting until they are there: at most 10 s (a test that needs
-        them sooner wraps the call in its own ``anyio.fail_after``)."""
-        with anyio.fail_after(10.0):
+    async def wait_for(self, output: str, n: int, timeout_s: float = 10.0) -> list[Message]:
+        """The first ``n`` messages of ``output``, waiting until they are there: at most ``timeout_s`` (a test
+        that needs them sooner wraps the call in its own ``anyio.fail_after``; a longer wrap does not extend it)."""
+        with anyio.fail_after(timeout_s):
             async with self.arrived:
                 while len(self.sent[output]) < n:
                     await self.arrived.wait()

@@ -210,8 +210,7 @@ async def test_the_learner_actor_trains_on_two_ranks_and_a_dead_rank_fails_it(mo
         async with live(actor) as lv:
             for g in _groups(2, seed=0):
                 await lv.inbox.send(g)
-            with anyio.fail_after(120):
-                (up,) = await lv.wait_for("updates", 1)
+            (up,) = await lv.wait_for("updates", 1, timeout_s=120)
             assert (up.step, up.version) == (1, 1)
             assert (Path(up.weights_path) / "model.safetensors").is_file()
             ckpt = run_dir / "checkpoints" / "step00001"
