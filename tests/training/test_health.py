@@ -138,6 +138,7 @@ async def test_the_learner_actor_warns_when_a_step_cannot_learn(tmp_path):
                         group_id=gid, reason="0 valid rollouts of 2, need 2", task_id="t", harness="h",
                         left_out=[failed(f"{gid}{i}", exit_code=1) for i in range(2)]))
                 first, second = await lv.wait_for("metrics", 2, timeout_s=120)
+                with anyio.fail_after(120):
                     await lv.stopped.wait()  # the last step ends the actor
     finally:
         torch.set_num_threads(threads)
@@ -181,6 +182,7 @@ async def test_the_learner_actor_asks_for_a_replacement_of_a_flat_group(tmp_path
             flat = msgspec.structs.replace(tree_group(random_paths(rng, 3), [1.0, 1.0, 1.0], gid="a-x1"), resample=1)
             await lv.inbox.send(flat)
             (metric,) = await lv.wait_for("metrics", 1, timeout_s=120)
+            with anyio.fail_after(120):
                 await lv.stopped.wait()
     finally:
         torch.set_num_threads(threads)
