@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeline.core.runtime import Resolver
+    from pipeline.core.runtime import Resolver, Supervisor
 
 import msgspec
 
@@ -247,9 +247,10 @@ def resume(args: argparse.Namespace, resolve: Resolver) -> int:
         raise cfg.ConfigError(f"--resume {rd.path}: this machine cannot run it yet:\n"
                               + "\n".join(f"  - {p}" for p in found))
     logs.configure(rd.log_file, level=exp.experiment.log_level)
-    run_main(lambda: launch.resume_experiment(exp, resolve, rd, config_path=None if args.no_watch else rd.config))
+    sup = run_main(lambda: launch.resume_experiment(exp, resolve, rd,
+                                                    config_path=None if args.no_watch else rd.config))
     logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
-    return 0
+    return outcome(sup, rd.path)
 
 
 def run(args: argparse.Namespace, resolve: Resolver) -> int:
@@ -288,12 +289,28 @@ def run(args: argparse.Namespace, resolve: Resolver) -> int:
         run_main(launch.serve, exp, resolve, rd, announce)
         return 0
     watch = None if args.no_watch or args.eval else path  # an evaluation's graph is derived: nothing to watch
-    run_main(lambda: launch.run_experiment(exp, resolve, rd, config_path=watch))
+    sup = run_main(lambda: launch.run_experiment(exp, resolve, rd, config_path=watch))
     logs.get_logger(actor="run").info("run finished", run_dir=str(rd.path))
     if args.eval:
         report = rd.path / "eval" / "report.md"
         print(report.read_text() if report.is_file() else f"no report was written ({report})")
         print(f"evaluated {policy}; reports in {rd.path / 'eval'}")
+    return outcome(sup, rd.path)
+
+
+NONE_SUCCEEDED = 3  # the run ended, but not one rollout ended ok: nothing it reports was measured
+
+
+def outcome(sup: Supervisor, run_dir: Path) -> int:
+    """0, or NONE_SUCCEEDED with the statuses and their first reasons on stderr (from the graph's monitor, which
+    hears every rollout's end)."""
+    from actors.monitor import Monitor
+
+    for actor in sup.actors.values():
+        if isinstance(actor, Monitor) and hasattr(actor, "state") and actor.state.outcomes.none_succeeded:
+            print(f"run.py: {actor.state.outcomes.verdict()}. The run's log: {run_dir / 'log.jsonl'}",
+                  file=sys.stderr)
+            return NONE_SUCCEEDED
     return 0
 
 

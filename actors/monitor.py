@@ -1,6 +1,6 @@
 """Monitor actor: metrics.jsonl, a live terminal display (rich), and PNG plots at the end (also on Ctrl-C).
 
-Inbox: Metric (others ignored), dispatched on ``Metric.kind``. The state and the display live in
+Inbox: Metric, dispatched on ``Metric.kind``, and RolloutFinished (each rollout's status and reason; others ignored). The state and the display live in
 pipeline.monitor (state, display, view); this actor writes the file, ticks the view and logs one line per RL step.
 """
 
@@ -17,7 +17,7 @@ import msgspec
 from pipeline.core import logs
 from pipeline.core.config import Section
 from pipeline.core.runtime import Actor
-from pipeline.messages import Metric
+from pipeline.messages import Metric, RolloutFinished
 from pipeline.monitor.display import step_fields
 from pipeline.monitor.metrics import record
 from pipeline.monitor.plots import write_plots
@@ -57,6 +57,9 @@ class Monitor(Actor[MonitorConfig]):
                     self.view.start(self.state, time.time())
                     tg.start_soon(self._ticker, self.view)
                 async for msg in self.messages():
+                    if isinstance(msg, RolloutFinished):
+                        self.state.outcomes.add(msg)
+                        continue
                     if not isinstance(msg, Metric):
                         continue
                     now = time.time()
@@ -70,6 +73,8 @@ class Monitor(Actor[MonitorConfig]):
             f.close()
             if self.view is not None:
                 self.view.close(self.state, time.time())
+            if self.state.outcomes.none_succeeded:
+                self.log.error("no rollout succeeded", verdict=self.state.outcomes.verdict())
             if self.config.plots:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self._plots, path)

@@ -405,6 +405,8 @@ def summary_text(s: Any) -> str:
         f"rollouts   {s.rollouts}   groups {s.groups}   steps {s.steps}"
         + (" after the cold-start SFT" if s.cold_start else "")
         + (f"   policy version {s.last_policy_version}" if s.last_policy_version is not None else ""),
+        "statuses   " + (", ".join(f"{k} {v}" for k, v in s.statuses.items()) or "no rollout finished"),
+        *(f"  {k:<9}first: {why}" for k, why in s.first_reasons.items()),
         "by type    " + ", ".join(f"{k} {v}" for k, v in s.by_type.items()),
         "by source  " + ", ".join(f"{k} {v}" for k, v in s.by_source.items()),
     ]

@@ -45,7 +45,8 @@ import msgspec
 import numpy as np
 
 from pipeline.core.logs import get_logger
-from pipeline.messages import SCHEMA_VERSION, Event, Message
+from pipeline.core.outcomes import Outcomes
+from pipeline.messages import SCHEMA_VERSION, Event, Message, RolloutFinished
 
 MAGIC = b"BRDLLOG3"
 MAGIC_V2 = b"BRDLLOG2"
@@ -437,6 +438,8 @@ class LogSummary:
     last_t: float | None = None
     truncated_at: int | None = None
     problem: str = ""
+    statuses: dict[str, int] = field(default_factory=dict)  # rollouts by how they ended
+    first_reasons: dict[str, str] = field(default_factory=dict)  # each failing status's first reason
 
     @property
     def span_s(self) -> float:
@@ -459,8 +462,11 @@ def summarize(path: Path | str) -> LogSummary:
     rollouts: set[str] = set()
     groups: set[str] = set()
     steps: set[int] = set()
+    ends = Outcomes()
     for ev in reader:
         m = ev.msg
+        if isinstance(m, RolloutFinished):
+            ends.add(m)
         by_type[type(m).__name__] += 1
         by_src[ev.src] += 1
         if s.first_t is None:
@@ -479,6 +485,7 @@ def summarize(path: Path | str) -> LogSummary:
     s.by_type = dict(sorted(by_type.items()))
     s.by_source = dict(sorted(by_src.items()))
     s.rollouts, s.groups, s.steps, s.cold_start = len(rollouts), len(groups), len(steps - {0}), 0 in steps
+    s.statuses, s.first_reasons = dict(ends.counts.most_common()), dict(ends.first)
     s.truncated_at = reader.report.truncated_at
     s.problem = reader.report.problem
     return s

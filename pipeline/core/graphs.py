@@ -31,6 +31,7 @@ TRAIN_EDGES = [
     "proxy.calls -> collector",
     "sandbox.finished -> collector",
     "sandbox.finished -> scheduler",
+    "sandbox.finished -> monitor",  # statuses and first reasons on the display; a run where none succeeded says so
     "collector.settled -> tree",
     "collector.settled -> proxy",   # the proxy forgets a settled rollout's token
     "tree.groups -> learner",

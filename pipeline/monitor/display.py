@@ -246,6 +246,7 @@ def rows(s: MonitorState, now: float) -> list[tuple[str, str]]:
         ("last step's rollouts", statuses_text(s)),
         ("groups in flight", "-" if over else _num(s.scheduler, "groups_in_flight", ".0f")),
         ("weight sync", "-" if s.weight_sync_s is None else f"{s.weight_sync_s:.2f} s (the engine's last load)"),
+        *(("failed", line) for line in s.outcomes.reasons()[:3]),
         *(("warning", w) for w in s.rl_warnings),
     ]
 
@@ -260,10 +261,11 @@ def render(s: MonitorState, now: float) -> RenderableType:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="dim")
     for k, v in rows(s, now):
-        table.add_row(k, Text(v, style="bold yellow") if k == "warning" else v)
+        table.add_row(k, Text(v, style="bold yellow") if k in ("warning", "failed") else v)
     # a fixed width (rich narrows it on a smaller terminal): a panel fitted to its text would change size as
     # numbers change
-    return Panel(Group(bars, "", table), title=f"bridle · {s.run_name} · {PHASE_TEXT[phase(s)]}",
+    state = PHASE_TEXT[phase(s)] + (" · no rollout succeeded" if s.outcomes.none_succeeded else "")
+    return Panel(Group(bars, "", table), title=f"bridle · {s.run_name} · {state}",
                  title_align="left", width=PANEL_WIDTH)
 
 
@@ -272,6 +274,9 @@ def progress_fields(s: MonitorState, now: float) -> dict[str, Any]:
     out: dict[str, Any] = {"phase": PHASE_TEXT[phase(s)]}
     for p in progresses(s, now):
         out[p.label.replace(" ", "_")] = f"{p.count.replace(' ', '')} ({p.when})"
+    if s.outcomes.first:
+        out["rollouts"] = s.outcomes.counts_text()
+        out["failed"] = s.outcomes.reasons()[0]
     return out
 
 

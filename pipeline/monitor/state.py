@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.core.outcomes import Outcomes
 from pipeline.messages import Metric
 
 
@@ -61,6 +62,7 @@ class MonitorState:
     # the first and last of them and why, for the display's "no policy gradient in steps 2-5" (None: the last step
     # had one).
     quiet: Quiet | None = None
+    outcomes: Outcomes = field(default_factory=Outcomes)  # every rollout's status (sandbox.finished -> monitor)
 
     @property
     def demos_done(self) -> int:

@@ -13,6 +13,7 @@ import pytest
 
 from pipeline.core.eventlog import EventLogReader
 from pipeline.messages import CallFailed, PolicyUpdated, RolloutFinished, RolloutRequest
+from tests.helpers.cli import run_py
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -243,3 +244,23 @@ def test_an_attached_engine_that_stops_answering_fails_a_live_evaluation(tmp_pat
     crash = [s for s in stops if s.reason == "crashed"]
     assert [s.actor for s in crash] == ["proxy"] and "EngineDied" in crash[0].error, stops
     assert f"the engine at {url}" in crash[0].error and "health probes in a row" in crash[0].error, crash[0].error
+
+
+def test_a_run_in_which_no_rollout_succeeded_exits_3_and_says_why(tmp_path):
+    """Every rollout times out: the run still ends, but not as a success, and the reason is where a person looks
+    (stderr, the log, the --replay summary), not only inside events.msgpack."""
+    run_dir = tmp_path / "run"
+    sets = [f'run.model="{tmp_path / "model"}"', "experiment.build_model.tasks=60", "scheduler.sft_groups=0",
+            "run.steps=1", "run.groups_per_step=1", "scheduler.group_size=2", "scheduler.timeout_s=0.01",
+            'monitor.display="log"']
+    r = run_py("--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch",
+               *(x for s in sets for x in ("--set", s)))
+    assert r.returncode == 3, r.stderr[-3000:]
+    verdict = [line for line in r.stderr.splitlines() if line.startswith("run.py: no rollout succeeded")]
+    assert len(verdict) == 1 and "timeout" in verdict[0] and "first: " in verdict[0], r.stderr[-3000:]
+    events = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "no rollout succeeded" and e.get("level") == "error" for e in events)
+    summary = run_py("--replay", str(run_dir)).stdout
+    statuses = next(line for line in summary.splitlines() if line.startswith("statuses"))
+    assert "timeout" in statuses and "ok" not in statuses, summary
+    assert any(line.strip().startswith("timeout") and "first: " in line for line in summary.splitlines()), summary
