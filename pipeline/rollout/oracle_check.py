@@ -2,18 +2,24 @@
 
     python -m pipeline.rollout.oracle_check TASKS [--backend docker|local] [--concurrency N]
         [--verifier-network bridge|none] [--build-network bridge|none] [--cpus C] [--memory M]
+        [--base-image IMAGE=LOCAL_IMAGE ...] [--show-output]
 
 ``TASKS`` is a task folder or a folder of them; every folder is validated first (all problems at once). Then each
 task with a ``solution/solve.sh`` gets one oracle rollout through the sandbox backend, as a training run would run
 it: under Docker in the task's own image (its ``environment/Dockerfile`` built offline, or found in the cache),
 with the task's limits and timeouts, the verifier in a fresh container from that image. A table gives each task's
-status, reward and time; the exit status is 0 when every task scored at least 1, 1 otherwise, 2 for invalid
-folders. Tasks without ``solve.sh`` are listed and not counted.
+status, reward and time, then the full verdict of each task that did not score 1; a verifier whose test.sh shows a
+failed network lookup while it had no network is named as such ("offline?"): a silent 0 is then the missing
+network, not a wrong solution. ``--show-output`` adds the start of each such task's test.sh output.
+``--base-image`` maps an image a task's Dockerfile builds on (``FROM ubuntu:24.04``) to one on this machine, as
+``[sandbox.docker] base_images`` does in a run. The exit status is 0 when every task scored at least 1, 1
+otherwise, 2 for invalid folders or arguments. Tasks without ``solve.sh`` are listed and not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import socket
 import sys
 import tempfile
@@ -24,10 +30,20 @@ import anyio
 
 from pipeline.core.logs import configure
 from pipeline.messages import RolloutFinished, RolloutRequest
-from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend, SandboxBackend
+from pipeline.rollout.sandbox import (
+    DockerBackend,
+    DockerSettings,
+    LocalBackend,
+    LocalSettings,
+    SandboxBackend,
+)
 from pipeline.rollout.tasks import Task, TaskError, load_task_dir
+from pipeline.rollout.untrusted import UntrustedFileError, read_under
 
 TIMEOUT_S = 3600.0  # the request's limit; the task's [agent] timeout_sec bounds the oracle when it gives one
+OUTPUT_CHARS = 4000  # of test.sh's output per task with --show-output
+OFFLINE_NOTE = "failed network lookup"  # in the Docker verifier's note (docker_verify.verify_in_container)
+_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 async def check(tasks: list[Task], backend: SandboxBackend, concurrency: int) -> dict[str, tuple[RolloutFinished, float]]:
@@ -60,24 +76,62 @@ async def check(tasks: list[Task], backend: SandboxBackend, concurrency: int) ->
     return results
 
 
-def report(tasks: list[Task], results: dict[str, tuple[RolloutFinished, float]]) -> tuple[str, bool]:
-    """(the table, whether every task with a solve.sh scored at least 1)."""
+def offline(fin: RolloutFinished) -> bool:
+    """The verifier had no network and test.sh's output shows a failed lookup: its verdict may be the network's."""
+    return OFFLINE_NOTE in fin.details
+
+
+def report(tasks: list[Task], results: dict[str, tuple[RolloutFinished, float]],
+           outputs: dict[str, str] | None = None) -> tuple[str, bool]:
+    """(the table and each failing task's full verdict, whether every task with a solve.sh scored at least 1)."""
     width = max([len(t.id) for t in tasks] + [4])
-    lines = [f"{'task':<{width}}  {'status':<15}{'reward':>7}{'seconds':>9}  details"]
-    ok = True
+    lines = [f"{'task':<{width}}  {'status':<17}{'reward':>7}{'seconds':>9}  verdict"]
+    failing: list[str] = []
     for t in tasks:
         if t.id not in results:
-            lines.append(f"{t.id:<{width}}  {'no solve.sh':<15}{'':>7}{'':>9}")
+            lines.append(f"{t.id:<{width}}  {'no solve.sh':<17}{'':>7}{'':>9}")
             continue
         fin, secs = results[t.id]
-        passed = fin.status == "ok" and fin.reward >= 1.0
-        ok &= passed
-        first = (fin.details.splitlines() or [""])[0][:100]
-        lines.append(f"{t.id:<{width}}  {fin.status:<15}{fin.reward:>7g}{secs:>9.1f}  {first}")
+        status = fin.status + (" offline?" if offline(fin) else "")
+        if not (fin.status == "ok" and fin.reward >= 1.0):
+            failing.append(t.id)
+        first = (fin.details.splitlines() or [""])[0]
+        first = first if len(first) <= 100 else first[:99] + "…"
+        lines.append(f"{t.id:<{width}}  {status:<17}{fin.reward:>7g}{secs:>9.1f}  {first}")
     scored = [r for r, _ in results.values()]
     lines.append(f"{sum(r.status == 'ok' and r.reward >= 1 for r in scored)} of {len(scored)} oracle solutions "
-                 "scored 1")
-    return "\n".join(lines), ok
+                 "scored 1" + (f"; {n} verifier(s) failed offline (rerun with --verifier-network bridge)"
+                               if (n := sum(map(offline, scored))) else ""))
+    for tid in failing:
+        fin = results[tid][0]
+        lines += ["", f"== {tid}: {fin.status}, reward {fin.reward:g}", fin.details or "(no verdict given)"]
+        if outputs is not None:
+            lines += ["-- test.sh output (start):", outputs.get(tid) or "(none kept)"]
+    return "\n".join(lines), not failing
+
+
+def test_outputs(workdir: Path, ids: dict[str, str]) -> dict[str, str]:
+    """task id -> the start of its test.sh output, from the rollout folders kept under ``workdir`` (rollout id
+    per task in ``ids``). The file is the task's: read without following links, control characters removed."""
+    out: dict[str, str] = {}
+    for tid, rid in ids.items():
+        for root in sorted(workdir.glob(f"bridle-*_{rid}-*")):
+            try:
+                data = read_under(root / "logs", "verifier/test-stdout.txt", OUTPUT_CHARS, head=True)
+            except (OSError, UntrustedFileError):
+                continue
+            out[tid] = _CONTROL.sub("", data.decode("utf-8", "replace")).rstrip()
+    return out
+
+
+def base_image_map(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        image, sep, local = pair.partition("=")
+        if not sep or not image or not local:
+            raise ValueError(f"--base-image {pair}: give IMAGE=LOCAL_IMAGE, e.g. ubuntu:24.04=bridle-rootfs:bookworm")
+        out[image] = local
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,26 +143,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build-network", choices=("bridge", "none"), default="bridge")
     p.add_argument("--cpus", type=float, default=DockerSettings().cpus, help="the most a task may ask")
     p.add_argument("--memory", default=DockerSettings().memory, help="the most a task may ask")
+    p.add_argument("--base-image", action="append", default=[], metavar="IMAGE=LOCAL_IMAGE",
+                   help="build a task's FROM IMAGE on LOCAL_IMAGE instead (repeatable)")
+    p.add_argument("--show-output", action="store_true", help="print the start of test.sh's output of each task "
+                   "that did not score 1")
     p.add_argument("--log-level", default="warning", help="bridle's log lines on stderr (default: warnings)")
     args = p.parse_args(argv)
     configure(level=args.log_level)
     try:
         tasks = load_task_dir(args.tasks)
-    except TaskError as e:
+        bases = base_image_map(args.base_image)
+    except (TaskError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    backend: SandboxBackend
-    if args.backend == "local":
-        backend = LocalBackend()
-    else:
-        backend = DockerBackend(DockerSettings(verifier_network=args.verifier_network, cpus=args.cpus,
-                                               memory=args.memory, build_network=args.build_network))
-    try:
-        results = anyio.run(check, tasks, backend, max(1, args.concurrency))
-    except RuntimeError as e:  # no Docker engine
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    table, ok = report(tasks, results)
+    with tempfile.TemporaryDirectory(prefix="bridle-oracle-work-", ignore_cleanup_errors=True) as work:
+        keep = {"keep_workspaces": args.show_output, "workdir": work}
+        backend: SandboxBackend
+        if args.backend == "local":
+            backend = LocalBackend(LocalSettings(**keep))
+        else:
+            backend = DockerBackend(DockerSettings(verifier_network=args.verifier_network, cpus=args.cpus,
+                                                   memory=args.memory, build_network=args.build_network,
+                                                   base_images=bases, **keep))
+        try:
+            results = anyio.run(check, tasks, backend, max(1, args.concurrency))
+        except RuntimeError as e:  # no Docker engine
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        outputs = None
+        if args.show_output:
+            ids = {t.id: f"oracle-{i}" for i, t in enumerate(tasks) if t.id in results}
+            outputs = test_outputs(Path(work), ids)
+        table, ok = report(tasks, results, outputs)
     print(table)
     return 0 if ok else 1
 

@@ -354,7 +354,9 @@ async def test_black_box_harness_on_the_task_image(images, tmp_path):
 
 # --------------------------------------------------------------------------------------- oracle check
 def test_oracle_check_command(images, tmp_path):
-    """`python -m pipeline.rollout.oracle_check` over a folder: a table, exit 1 while one oracle scores 0."""
+    """`python -m pipeline.rollout.oracle_check` over a folder: a table, then each failing task's whole verdict; a
+    verifier that failed offline named as such; test.sh's output on request; base images mapped; exit 1 while one
+    oracle scores 0."""
     import subprocess
     import sys
 
@@ -363,12 +365,30 @@ def test_oracle_check_command(images, tmp_path):
     shutil.copytree(HARBOR / "greeting", tasks / "greeting")
     shutil.copytree(HARBOR / "greeting", tasks / "greeting-wrong")
     (tasks / "greeting-wrong" / "solution" / "solve.sh").write_text("echo nope > out.txt\n")
+    shutil.copytree(HARBOR / "greeting", tasks / "greeting-offline")
+    (tasks / "greeting-offline" / "tests" / "test.sh").write_text(APT_SCORED_TEST_SH)
+    shutil.copytree(HARBOR / "greeting", tasks / "greeting-ubuntu")  # FROM an image this machine lacks
+    dockerfile = tasks / "greeting-ubuntu" / "environment" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text().replace("ARG BASE=bridle-rootfs:bookworm",
+                                                         "ARG BASE=bridle-test/ubuntu:24.04"))
     argv = [sys.executable, "-m", "pipeline.rollout.oracle_check", str(tasks), "--verifier-network", "none",
-            "--build-network", "none"]
+            "--build-network", "none", "--base-image", "bridle-test/ubuntu:24.04=bridle-rootfs:bookworm",
+            "--show-output"]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 1, p.stdout + p.stderr
-    rows = {line.split()[0]: line.split()[1:3] for line in p.stdout.splitlines()[1:-1]}
-    assert rows == {"greeting": ["ok", "1"], "greeting-wrong": ["ok", "0"]}, p.stdout
-    assert p.stdout.splitlines()[-1] == "1 of 2 oracle solutions scored 1"
-    shutil.rmtree(tasks / "greeting-wrong")
+    lines = p.stdout.splitlines()
+    end = next(i for i, line in enumerate(lines) if "oracle solutions scored 1" in line)
+    rows = {line.split()[0]: line.split()[1:4] for line in lines[1:end]}
+    assert {k: v[:2] for k, v in rows.items() if k != "greeting-offline"} == {
+        "greeting": ["ok", "1"], "greeting-wrong": ["ok", "0"], "greeting-ubuntu": ["ok", "1"]}, p.stdout
+    assert rows["greeting-offline"] == ["ok", "offline?", "0"], p.stdout
+    assert lines[end] == ("2 of 4 oracle solutions scored 1; 1 verifier(s) failed offline (rerun with "
+                          "--verifier-network bridge)")
+    # each failing task's whole verdict, and the start of its test.sh output (here apt's failed lookup)
+    section = p.stdout[p.stdout.index("== greeting-offline: ok, reward 0"):]
+    assert "its reward may be wrong" in section and "-- test.sh output (start):" in section
+    assert "deb.debian.org" in section or "Temporary failure" in section, section
+    assert "== greeting-wrong: ok, reward 0" in p.stdout and "== greeting:" not in p.stdout
+    for name in ("greeting-wrong", "greeting-offline"):
+        shutil.rmtree(tasks / name)
     assert subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False).returncode == 0
