@@ -225,13 +225,35 @@ def _read_actions(root: Path, config: TaskConfig, problems: list[str]) -> list[O
     if "oracle_actions" in config.metadata:
         return _parse_actions(config.metadata["oracle_actions"], "task.toml [metadata] oracle_actions", problems)
     if not (sol / "actions.json").is_file():
-        return None
+        return solve_sh_action(sol)
     try:
         raw_actions = json.loads((sol / "actions.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         problems.append(f"solution/actions.json: not valid JSON ({e}); fix the file")
         return None
     return _parse_actions(raw_actions, "solution/actions.json", problems)
+
+
+SOLVE_SH_END = "BRIDLE_SOLVE_SH"
+
+
+def solve_sh_action(sol: Path) -> list[OracleAction] | None:
+    """A standard Harbor task's ``solution/solve.sh`` as one neutral ``bash`` action: the script itself, given to
+    bash on its standard input from the workspace, so any harness with a shell tool plays it as its own tool call
+    (a cold start without actions.json). None when there is no solve.sh, or when solution/ holds other files the
+    script may read (one inline call cannot bring them: give those tasks an actions.json)."""
+    script = sol / "solve.sh"
+    if not script.is_file() or any(p.name != "solve.sh" for p in sol.iterdir()):
+        return None
+    try:
+        text = script.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return None
+    end = SOLVE_SH_END
+    while end in text:
+        end += "_"
+    body = text if text.endswith("\n") else text + "\n"
+    return [OracleAction(tool="bash", args={"command": f"bash <<'{end}'\n{body}{end}"})]
 
 
 def load_task(path: str | Path) -> Task:

@@ -322,7 +322,8 @@ async def test_workspace_cannot_change_what_the_tests_run(sandbox, tmp_path, gua
 @pytest.mark.harness
 async def test_black_box_harness_on_the_task_image(images, tmp_path):
     """Codex, laid over the task's image: the demonstration (the task's own tool, `greet`, through Codex's shell)
-    scores 1; a policy that does nothing scores 0; the task's image is not changed."""
+    scores 1, and so does one played from solution/solve.sh alone (a standard Harbor task: no actions.json); a
+    policy that does nothing scores 0; the task's image is not changed."""
     from pipeline.rollout.images import ImageError, build_all
 
     try:
@@ -330,22 +331,30 @@ async def test_black_box_harness_on_the_task_image(images, tmp_path):
     except ImageError as e:
         require(False, f"cannot build the codex image: {e}")
     task = harbor_task(tmp_path, "greeting")
+    plain = harbor_task(tmp_path, "greeting")
+    (plain.root / "solution" / "actions.json").unlink()
+    plain = load_task(plain.root)
+    assert [a.tool for a in plain.oracle_actions] == ["bash"] and "greet world" in plain.oracle_actions[0].args["command"]
     sock = tmp_path / "proxy.sock"
     backend = DockerBackend(settings(tmp_path))
     await backend.start()
     before = await backend.task_images.resolve(task)
     finished = {}
-    for name, script in (("demo", Script(default=msgspec.convert(oracle_script(task, "codex"), list[ScriptResponse]))),
-                         ("idle", Script(default=[ScriptResponse(text="Done.")]))):
+    def scripted(t: Task) -> Script:
+        return Script(default=msgspec.convert(oracle_script(t, "codex"), list[ScriptResponse]))
+
+    for name, script, t in (("demo", scripted(task), task), ("solve", scripted(plain), plain),
+                            ("idle", Script(default=[ScriptResponse(text="Done.")]), task)):
         async with running_proxy(script, unix_socket=str(sock)) as (proxy, records, _):
-            req = request("codex", task, name, timeout_s=240)
+            req = request("codex", t, name, timeout_s=240)
             proxy.register(req)
-            finished[name] = await backend.run(req, task, proxy_url=proxy.base_url, proxy_socket=str(sock))
+            finished[name] = await backend.run(req, t, proxy_url=proxy.base_url, proxy_socket=str(sock))
             finished[name + "-calls"] = sum(type(r).__name__ == "ModelCall" for r in records)
     after = await backend.task_images.resolve(task)
     await backend.aclose()
     demo, idle = finished["demo"], finished["idle"]
     assert (demo.status, demo.reward) == ("ok", 1.0), demo.details
+    assert (finished["solve"].status, finished["solve"].reward) == ("ok", 1.0), finished["solve"].details
     assert (idle.status, idle.reward) == ("ok", 0.0), idle.details
     assert finished["demo-calls"] >= 2 and finished["idle-calls"] >= 1
     assert after.image_id == before.image_id and not after.built

@@ -242,3 +242,35 @@ def test_select_tasks_by_family_and_difficulty(tmp_path):
     assert select_tasks(tasks) == tasks
     with pytest.raises(ValueError, match="no task matches"):
         select_tasks(tasks, families=["nope"])
+
+
+# ------------------------------------------------------------------------- solve.sh as a demonstration
+def _solution(tmp_path, text: str, *extra: str):
+    sol = tmp_path / "solution"
+    sol.mkdir(exist_ok=True)
+    (sol / "solve.sh").write_text(text)
+    for name in extra:
+        (sol / name).write_text("x")
+    return sol
+
+
+def test_solve_sh_alone_becomes_one_bash_action_that_runs_it_exactly(tmp_path):
+    import subprocess
+
+    from pipeline.rollout.tasks import SOLVE_SH_END, solve_sh_action
+
+    # a script that names the delimiter itself, and writes text a shell would otherwise expand
+    text = f"#!/usr/bin/env bash\nset -e\ncat > out.txt <<'X'\n$HOME `id` {SOLVE_SH_END}\nX\necho done\n"
+    (action,) = solve_sh_action(_solution(tmp_path, text))
+    assert action.tool == "bash"
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    r = subprocess.run(["bash", "-c", action.args["command"]], cwd=ws, capture_output=True, text=True, check=True)
+    assert r.stdout == "done\n" and (ws / "out.txt").read_text() == f"$HOME `id` {SOLVE_SH_END}\n"
+
+
+def test_solve_sh_with_other_solution_files_gets_no_inline_demonstration(tmp_path):
+    from pipeline.rollout.tasks import solve_sh_action
+
+    assert solve_sh_action(_solution(tmp_path, "cp /solution/answer.txt .\n", "answer.txt")) is None
+    assert solve_sh_action(tmp_path / "nothing") is None
