@@ -6,32 +6,18 @@ from typing import Any
 
 import anyio
 
-from pipeline.core.config import PosFloat, PosInt, Section
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, ServiceReady, SettledRollout
 from pipeline.trees.collector import Settler, SettleSettings
 
 
-class CollectorSettings(Section):
-    """``[collector]``: a finished rollout settles after ``settle_checks`` quiet checks ``settle_interval_s``
-    apart, or at ``settle_timeout_s`` (its stragglers are aborted)."""
-
-    settle_checks: PosInt = 3
-    settle_interval_s: PosFloat = 0.5
-    settle_timeout_s: PosFloat = 60.0
-    reloadable = frozenset({"settle_checks", "settle_interval_s", "settle_timeout_s"})
-
-
-class Collector(Actor[CollectorSettings]):
-    Config = CollectorSettings
+class Collector(Actor[SettleSettings]):
+    Config = SettleSettings
     outputs = ("settled", "metrics")
 
-    def _settings(self) -> SettleSettings:
-        c = self.config
-        return SettleSettings(checks=c.settle_checks, interval_s=c.settle_interval_s, timeout_s=c.settle_timeout_s)
 
     async def run(self) -> None:
-        self.settler = Settler(self._settings())
+        self.settler = Settler(self.config)
         self._inputs_closed = False
         self._drained = anyio.Event()  # set by the ticker once the inputs have closed and nothing can still settle
         async with anyio.create_task_group() as tg:
@@ -68,6 +54,6 @@ class Collector(Actor[CollectorSettings]):
                     "settled": st.settled, "settle_timeouts": st.timed_out, "late_records": st.late_records,
                     "duplicate_records": st.duplicates}))
 
-    async def on_config(self, new: CollectorSettings, changes: dict[str, Any]) -> None:
+    async def on_config(self, new: SettleSettings, changes: dict[str, Any]) -> None:
         self.config = new
-        self.settler.settings = self._settings()
+        self.settler.settings = new

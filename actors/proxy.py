@@ -14,21 +14,19 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import anyio
 import msgspec
 
-from pipeline.core.config import ConfigError, NonNegFloat, NonNegInt, Port, PosFloat, PosInt, Section
+from pipeline.core.config import ConfigError
 from pipeline.core.runfiles import remove_prefixed, run_tag, safe_name
 from pipeline.core.runtime import Actor, on_emergency
 from pipeline.messages import EngineReady, Metric, PolicyUpdated, RolloutRequest, ServiceReady, SettledRollout
 from pipeline.serving.factory import (
     EngineSettings,
-    fleet_problem,
     open_engine,
     open_renderer,
-    renderer_problem,
 )
 from pipeline.serving.proxy import Proxy, ProxySettings
 from pipeline.serving.proxy_workers import ProxyWorkers, Setup
@@ -37,58 +35,8 @@ from pipeline.tokens.render import Renderer
 from pipeline.tokens.template_check import TemplateMismatch, startup_check
 
 
-class ProxyActorSettings(Section):
-    """``[proxy]`` and ``[proxy.engine]``. The engine serves ``[run].model``."""
-
-    host: str = "127.0.0.1"
-    port: Port = 0
-    unix_socket: str = "auto"  # "auto": a socket in a temp dir (for Docker sandboxes); "": TCP only
-    keepalive_s: Annotated[float, msgspec.Meta(gt=0, le=15)] = 5.0  # SSE heartbeat; harnesses give up after ~15 s
-    stream_head_s: NonNegFloat = 0.02  # a stream's head goes out when the engine has not answered within this
-    max_body_bytes: PosInt = 32 << 20
-    # what one sandbox can hold (docs/serving.md, "What a client can hold")
-    request_timeout_s: PosFloat = 60.0
-    max_connections: PosInt = 1024
-    max_connections_per_token: PosInt = 64
-    context_len: PosInt = 32768
-    model_name: str = "policy"
-    subagent_model: str = "policy-subagent"
-    update_timeout_s: PosFloat = 600.0
-    engine_retries: NonNegInt = 1  # a failed engine call is asked again this often before the harness is told
-    # proxy processes, each owning the rollouts routed to it: one event loop tops out at ~1,000 fresh 2k-token
-    # calls/s (docs/serving.md, "Proxy workers"); 1 serves in this process
-    workers: PosInt = 1
-    # before serving: is turn-by-turn rendering with splicing the template's own rendering (docs/tokens.md)?
-    # "error" refuses to start on a mismatch, "warn" logs it and serves, "off" skips the check
-    template_check: Literal["error", "warn", "off"] = "error"
-    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
-    reloadable = frozenset({"keepalive_s", "update_timeout_s"})
-
-    def check(self, name: str, exp: Any) -> None:
-        if self.engine.model:
-            raise ConfigError(f"{exp.source}: [{name}.engine].model moved to [run].model (the policy the engine "
-                              "serves is the one the learner trains); set it there")
-        if self.engine.kind != "scripted" and not exp.run.model:
-            raise ConfigError(f'{exp.source}: [run].model: the {self.engine.kind} engine ([{name}.engine].kind) '
-                              "serves the policy in this HF folder; set it")
-        for problem in (fleet_problem(self.engine), renderer_problem(self.engine, exp.run.model)):
-            if problem:
-                raise ConfigError(f"{exp.source}: {problem.replace('[engine]', f'[{name}.engine]')}")
-        if self.workers > 1:
-            if self.engine.kind == "scripted":
-                raise ConfigError(f"{exp.source}: [{name}].workers = {self.workers}: the scripted engine lives in the "
-                                  "proxy's process, which workers cannot reach; use workers = 1 with it")
-            sandbox = exp.kind_section("sandbox")
-            if (sandbox is not None and getattr(sandbox[1], "backend", "") == "ray"
-                    and sandbox[1].ray.proxy_address):
-                raise ConfigError(f"{exp.source}: [{name}].workers = {self.workers} with [{sandbox[0]}.ray] "
-                                  f"proxy_address = {sandbox[1].ray.proxy_address!r}: that is one host:port, and each "
-                                  f"worker listens on its own ([{name}] port + its index); leave proxy_address empty "
-                                  f"and set [{name}] host to an address the Ray nodes reach")
-
-
-class ProxyActor(Actor[ProxyActorSettings]):
-    Config = ProxyActorSettings
+class ProxyActor(Actor[ProxySettings]):
+    Config = ProxySettings
     outputs = ("rollouts", "calls", "metrics", "engines")
 
     proxy: Proxy | None = None
@@ -107,12 +55,7 @@ class ProxyActor(Actor[ProxyActorSettings]):
             self._socket_dir = tempfile.mkdtemp(prefix=prefix)
         if sock == "auto":
             sock = os.path.join(self._socket_dir, "proxy.sock")
-        return ProxySettings(host=c.host, port=c.port, unix_socket=sock, keepalive_s=c.keepalive_s,
-                             stream_head_s=c.stream_head_s,
-                             max_body_bytes=c.max_body_bytes, context_len=c.context_len, model_name=c.model_name,
-                             subagent_model=c.subagent_model, engine_retries=c.engine_retries,
-                             request_timeout_s=c.request_timeout_s, max_connections=c.max_connections,
-                             max_connections_per_token=c.max_connections_per_token)
+        return msgspec.structs.replace(c, unix_socket=sock)
 
     async def run(self) -> None:
         engine_settings = msgspec.structs.replace(self.config.engine, model=self.ctx.run.model)
@@ -222,7 +165,7 @@ class ProxyActor(Actor[ProxyActorSettings]):
             ev = self.__dict__["_ready"] = anyio.Event()
         return ev
 
-    async def on_config(self, new: ProxyActorSettings, changes: dict[str, Any]) -> None:
+    async def on_config(self, new: ProxySettings, changes: dict[str, Any]) -> None:
         self.config = new
         if self.proxy is not None and "keepalive_s" in changes:
             # Read per call: calls that start from now on use the new heartbeat.

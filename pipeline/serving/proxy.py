@@ -20,15 +20,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import anyio
 import msgspec
 import orjson
 
+from pipeline.core.config import ConfigError, NonNegFloat, NonNegInt, Port, PosFloat, PosInt, Section
 from pipeline.core.logs import get_logger
 from pipeline.messages import (
     CallFailed,
@@ -44,6 +47,7 @@ from pipeline.messages import (
 )
 from pipeline.serving.engine import Engine, EngineSampling
 from pipeline.serving.engine_call import result_versions, run_engine
+from pipeline.serving.factory import EngineSettings, fleet_problem, renderer_problem
 from pipeline.serving.harness_request import (
     ProxyError,
     convert,
@@ -65,23 +69,27 @@ from pipeline.tokens.splice import RenderPlan, RenderResult, Splicer
 Emit = Callable[[Message], Awaitable[None]]
 
 
-class ProxySettings(msgspec.Struct, kw_only=True):
+class ProxySettings(Section):
+    """``[proxy]`` (and its table ``[proxy.engine]``, the engine that serves ``[run].model``)."""
+
     host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port
-    unix_socket: str = ""  # also listen here (Docker sandboxes reach the proxy through a mounted socket)
-    keepalive_s: float = 5.0  # SSE heartbeat while the engine generates (<= 15 s per the wire rules)
+    port: Port = 0  # 0: pick a free port
+    # also listen on this Unix socket (Docker sandboxes reach the proxy through it, mounted); "auto": one in a
+    # fresh temp folder (a socket path must stay under 108 bytes); "": TCP only
+    unix_socket: str = "auto"
+    keepalive_s: Annotated[float, msgspec.Meta(gt=0, le=15)] = 5.0  # SSE heartbeat; harnesses give up after ~15 s
     # A stream's head (200, SSE headers, opening events) goes out once the engine has worked this long: a faster
     # answer goes out whole in one write; anything slower gets its head within 20 ms, which no client can tell
     # from "at once" (wire rules §4). 0 sends the head before waiting on the engine at all.
-    stream_head_s: float = 0.02
-    max_body_bytes: int = 32 << 20
-    # What one client can hold (pipeline/serving/http_server.py): a sandbox is a client, and its policy may be
-    # hostile. A request arrives whole within request_timeout_s; at most max_connections are open; one rollout's
-    # token holds at most max_connections_per_token requests at once.
-    request_timeout_s: float = 60.0
-    max_connections: int = 1024
-    max_connections_per_token: int = 64
-    context_len: int = 32768  # prompt + output must fit; longer prompts get a context-length error
+    stream_head_s: NonNegFloat = 0.02
+    max_body_bytes: PosInt = 32 << 20
+    # What one client can hold (pipeline/serving/http_server.py; docs/serving.md): a sandbox is a client, and its
+    # policy may be hostile. A request arrives whole within request_timeout_s; at most max_connections are open;
+    # one rollout's token holds at most max_connections_per_token requests at once.
+    request_timeout_s: PosFloat = 60.0
+    max_connections: PosInt = 1024
+    max_connections_per_token: PosInt = 64
+    context_len: PosInt = 32768  # prompt + output must fit; longer prompts get a context-length error
     model_name: str = "policy"
     subagent_model: str = "policy-subagent"  # a model id harnesses are told to use for subagents
     # A call with at least this many characters of new prompt text (not covered by the splicer's prefix cache)
@@ -89,13 +97,44 @@ class ProxySettings(msgspec.Struct, kw_only=True):
     # releases the GIL); shorter ones are tokenized inline. A hop costs ~0.1 ms of CPU and makes the tokenization
     # itself ~0.25 ms slower (measured at 2k tokens), so it pays only for long texts and with a core to spare:
     # 32k characters is ~8k tokens, ~2 ms of tokenizing. 0 tokenizes every call inline.
-    render_thread_chars: int = 32768
-    render_threads: int = 2  # worker threads for that
+    render_thread_chars: NonNegInt = 32768
+    render_threads: PosInt = 2  # worker threads for that
     # An engine that fails or cannot be reached (not one that refuses the request) is asked again this many times,
     # ENGINE_RETRY_S apart, before the harness is told: a transient failure then costs the rollout nothing,
     # whatever the harness does with errors (Codex and Qwen Code end the rollout at the first one). A dead engine
     # is the watchdog's (pipeline/serving/watchdog.py).
-    engine_retries: int = 1
+    engine_retries: NonNegInt = 1
+    update_timeout_s: PosFloat = 600.0  # a weight update the engine has not applied by then fails the run
+    # proxy processes, each owning the rollouts routed to it: one event loop tops out at ~1,000 fresh 2k-token
+    # calls/s (docs/serving.md, "Proxy workers"); 1 serves in this process
+    workers: PosInt = 1
+    # before serving: is turn-by-turn rendering with splicing the template's own rendering (docs/tokens.md)?
+    # "error" refuses to start on a mismatch, "warn" logs it and serves, "off" skips the check
+    template_check: Literal["error", "warn", "off"] = "error"
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    reloadable = frozenset({"keepalive_s", "update_timeout_s"})
+
+    def check(self, name: str, exp: Any) -> None:
+        if self.engine.model:
+            raise ConfigError(f"{exp.source}: [{name}.engine].model moved to [run].model (the policy the engine "
+                              "serves is the one the learner trains); set it there")
+        if self.engine.kind != "scripted" and not exp.run.model:
+            raise ConfigError(f'{exp.source}: [run].model: the {self.engine.kind} engine ([{name}.engine].kind) '
+                              "serves the policy in this HF folder; set it")
+        for problem in (fleet_problem(self.engine), renderer_problem(self.engine, exp.run.model)):
+            if problem:
+                raise ConfigError(f"{exp.source}: {problem.replace('[engine]', f'[{name}.engine]')}")
+        if self.workers > 1:
+            if self.engine.kind == "scripted":
+                raise ConfigError(f"{exp.source}: [{name}].workers = {self.workers}: the scripted engine lives in the "
+                                  "proxy's process, which workers cannot reach; use workers = 1 with it")
+            sandbox = exp.kind_section("sandbox")
+            if (sandbox is not None and getattr(sandbox[1], "backend", "") == "ray"
+                    and sandbox[1].ray.proxy_address):
+                raise ConfigError(f"{exp.source}: [{name}].workers = {self.workers} with [{sandbox[0]}.ray] "
+                                  f"proxy_address = {sandbox[1].ray.proxy_address!r}: that is one host:port, and each "
+                                  f"worker listens on its own ([{name}] port + its index); leave proxy_address empty "
+                                  f"and set [{name}] host to an address the Ray nodes reach")
 
 
 @dataclass
@@ -145,6 +184,7 @@ class Proxy:
         self.server: HttpServer | None = None
         self.base_url = ""
         self.unix_socket = ""
+        self._socket_dir = ""  # made for unix_socket = "auto"; removed by stop()
         self.render_seconds = 0.0
         self.scripted: ScriptedEngine | None = None
 
@@ -209,10 +249,14 @@ class Proxy:
                                  max_connections_per_token=st.max_connections_per_token)
         port = await self.server.listen_tcp(self.settings.host, self.settings.port)
         self.base_url = f"http://{self.settings.host}:{port}"
-        if self.settings.unix_socket:
-            await self.server.listen_unix(self.settings.unix_socket)
-            await anyio.Path(self.settings.unix_socket).chmod(0o666)
-            self.unix_socket = self.settings.unix_socket
+        sock = self.settings.unix_socket
+        if sock == "auto":
+            self._socket_dir = tempfile.mkdtemp(prefix="bridle.sock-")
+            sock = os.path.join(self._socket_dir, "proxy.sock")
+        if sock:
+            await self.server.listen_unix(sock)
+            await anyio.Path(sock).chmod(0o666)
+            self.unix_socket = sock
         self.log.info("proxy listening", base_url=self.base_url, unix_socket=self.unix_socket or None)
         return self.base_url
 
@@ -220,6 +264,9 @@ class Proxy:
         if self.server is not None:
             await self.server.close()
             self.server = None
+        if self._socket_dir:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = ""
 
     async def head(self, request: Request) -> Response:
         return Response(200)

@@ -136,7 +136,7 @@ async def read_frame(receive_exactly: Callable[[int], Awaitable[bytes]], decoder
 def worker_endpoint(settings: ProxySettings, index: int) -> ProxySettings:
     """Worker ``index``'s settings: its own port (``port + index`` when a port is set) and Unix socket."""
     sock = settings.unix_socket
-    if sock:
+    if sock and sock != "auto":  # "auto": each worker's proxy makes its own
         root, ext = os.path.splitext(sock)
         sock = f"{root}-{index}{ext}"
     return msgspec.structs.replace(settings, port=settings.port + index if settings.port else 0, unix_socket=sock)

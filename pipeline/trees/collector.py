@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import msgspec
-
+from pipeline.core.config import PosFloat, PosInt, Section
 from pipeline.messages import (
     CallFailed,
     CallStarted,
@@ -25,10 +24,14 @@ from pipeline.messages import (
 )
 
 
-class SettleSettings(msgspec.Struct, kw_only=True):
-    checks: int = 3  # N consecutive quiet checks
-    interval_s: float = 0.5  # Δ between checks
-    timeout_s: float = 60.0  # from RolloutFinished; then stragglers are cut
+class SettleSettings(Section):
+    """``[collector]``: a finished rollout settles after ``settle_checks`` quiet checks ``settle_interval_s``
+    apart, or at ``settle_timeout_s`` after it finished (its stragglers are then aborted)."""
+
+    settle_checks: PosInt = 3  # N consecutive quiet checks
+    settle_interval_s: PosFloat = 0.5  # Δ between checks
+    settle_timeout_s: PosFloat = 60.0  # from RolloutFinished; then stragglers are cut
+    reloadable = frozenset({"settle_checks", "settle_interval_s", "settle_timeout_s"})
 
 
 @dataclass
@@ -120,10 +123,10 @@ class Settler:
                 del self.rollouts[rid]
                 self.done.add(rid)
                 continue
-            if now - r.finished_at >= s.timeout_s:
+            if now - r.finished_at >= s.settle_timeout_s:
                 out.append(self._settle(rid, r, "timeout"))
                 continue
-            if now - r.last_check < s.interval_s:
+            if now - r.last_check < s.settle_interval_s:
                 continue
             r.last_check = now
             count = r.count
@@ -132,7 +135,7 @@ class Settler:
             else:
                 r.quiet += 1
             r.last_count = count
-            if r.quiet >= s.checks:
+            if r.quiet >= s.settle_checks:
                 out.append(self._settle(rid, r, "quiet"))
         return out
 

@@ -349,3 +349,38 @@ def test_no_shipped_config_restates_a_preset():
         graph = tomllib.loads(path.read_text()).get("graph", {})
         assert "edges" not in graph and "actors" not in graph, f"{path.name} spells out a graph; name a preset"
         cfg.load_experiment(path, resolve)
+
+
+def test_one_place_per_setting():
+    """No settings struct copies another's fields (a mirror someone must keep in step by hand): among every msgspec
+    Struct named *Settings or *Config in pipeline/ and actors/, and every config Section, no two share 4 or more
+    field names making up three quarters of the smaller one (the mirrored proxy settings shared 12 of 14)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import msgspec
+
+    import actors
+    import pipeline
+
+    found: dict[str, type] = {}
+    for pkg in (pipeline, actors):
+        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if info.name.endswith("__main__"):
+                continue
+            mod = importlib.import_module(info.name)
+            for name, obj in vars(mod).items():
+                if (inspect.isclass(obj) and issubclass(obj, msgspec.Struct) and obj.__module__ == mod.__name__
+                        and (name.endswith(("Settings", "Config")) or issubclass(obj, cfg.Section))):
+                    found[f"{obj.__module__}.{name}"] = obj
+    assert len(found) > 20, sorted(found)
+    # Not yet one place: the sandbox backends' common settings (workdir, keep_workspaces, max_turns, model,
+    # whitebox_args) repeat in [sandbox.local] and [sandbox.docker]; they belong in [sandbox] itself.
+    known = {("pipeline.rollout.sandbox.container.DockerSettings", "pipeline.rollout.sandbox.local.LocalSettings")}
+    fields = {where: {f.name for f in msgspec.structs.fields(s)} for where, s in found.items()}
+    names = sorted(fields)
+    mirrored = [(a, b, sorted(fields[a] & fields[b])) for i, a in enumerate(names) for b in names[i + 1:]
+                if (a, b) not in known and len(fields[a] & fields[b]) >= 4
+                and len(fields[a] & fields[b]) >= 0.75 * min(len(fields[a]), len(fields[b]))]
+    assert not mirrored, f"settings structs that copy each other's fields: {mirrored}"

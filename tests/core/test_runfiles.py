@@ -7,9 +7,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from actors.proxy import ProxyActor, ProxyActorSettings
+from actors.proxy import ProxyActor
 from pipeline.core.runfiles import remove_prefixed, remove_tree, run_tag
 from pipeline.core.runtime import ActorContext
+from pipeline.serving.proxy import ProxySettings
 from tests.helpers.ci import require
 from tests.helpers.users import as_nobody
 
@@ -38,15 +39,15 @@ def test_remove_prefixed_removes_exactly_the_prefixed_entries(tmp_path):
 
 def test_a_restart_of_the_run_removes_the_proxy_socket_folder_a_crash_left(tmp_path):
     run = tmp_path / "run"
-    crashed = ProxyActor("proxy", ProxyActorSettings(), ActorContext(run_dir=run)).settings()
-    other_actor = ProxyActor("proxy-2", ProxyActorSettings(), ActorContext(run_dir=run)).settings()
-    other_run = ProxyActor("proxy", ProxyActorSettings(), ActorContext(run_dir=tmp_path / "run2")).settings()
+    crashed = ProxyActor("proxy", ProxySettings(), ActorContext(run_dir=run)).settings()
+    other_actor = ProxyActor("proxy-2", ProxySettings(), ActorContext(run_dir=run)).settings()
+    other_run = ProxyActor("proxy", ProxySettings(), ActorContext(run_dir=tmp_path / "run2")).settings()
     try:
         for s in (crashed, other_actor, other_run):
             Path(s.unix_socket).touch()  # a socket file the killed proxy left
             assert len(s.unix_socket.encode()) < 108
             assert Path(s.unix_socket).parent.parent == Path(tempfile.gettempdir())
-        again = ProxyActor("proxy", ProxyActorSettings(), ActorContext(run_dir=run)).settings()
+        again = ProxyActor("proxy", ProxySettings(), ActorContext(run_dir=run)).settings()
         assert not Path(crashed.unix_socket).parent.exists()
         assert Path(again.unix_socket).parent.is_dir()
         assert Path(other_actor.unix_socket).exists() and Path(other_run.unix_socket).exists()

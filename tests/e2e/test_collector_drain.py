@@ -6,7 +6,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.collector import Collector, CollectorSettings
+from actors.collector import Collector
+from pipeline.trees.collector import SettleSettings
 from tests.helpers.live_actor import live
 from tests.helpers.treegen import mc, settled
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_inputs_closed_finished_rollouts_still_settle_then_it_stops():
-    actor = Collector("collector", CollectorSettings(settle_checks=3, settle_interval_s=0.1, settle_timeout_s=60.0))
+    actor = Collector("collector", SettleSettings(settle_checks=3, settle_interval_s=0.1, settle_timeout_s=60.0))
     done = settled([mc(0, [1, 2], [3])], rid="r0")
     unfinished = settled([mc(0, [1, 2], [4])], rid="r1")
     async with live(actor) as lv:
@@ -28,7 +29,7 @@ async def test_inputs_closed_finished_rollouts_still_settle_then_it_stops():
 
 
 async def test_inputs_closed_with_nothing_to_settle_it_stops_at_once():
-    actor = Collector("collector", CollectorSettings(settle_checks=3, settle_interval_s=10.0, settle_timeout_s=60.0))
+    actor = Collector("collector", SettleSettings(settle_checks=3, settle_interval_s=10.0, settle_timeout_s=60.0))
     unfinished = settled([mc(0, [1, 2], [4])], rid="r1")
     async with live(actor) as lv:
         for msg in (unfinished.request, *unfinished.calls):

@@ -24,11 +24,11 @@ from rich.console import Console
 from structlog.testing import capture_logs
 
 import actors
-from actors.collector import Collector, CollectorSettings
+from actors.collector import Collector
 from actors.evaluator import Evaluator
 from actors.learner import LearnerActor, LearnerSettings
 from actors.monitor import Monitor, MonitorConfig
-from actors.proxy import ProxyActor, ProxyActorSettings
+from actors.proxy import ProxyActor
 from actors.sandbox import SandboxConfig, SandboxPool
 from actors.scheduler import Scheduler
 from actors.toy import Scale, ScaleConfig, Sink, SinkConfig, Source, SourceConfig
@@ -51,6 +51,8 @@ from pipeline.messages import (
 from pipeline.monitor.view import LiveView, LogView
 from pipeline.rollout.scheduling import SchedulerSettings, TaskSource
 from pipeline.serving.factory import EngineSettings
+from pipeline.serving.proxy import ProxySettings
+from pipeline.trees.collector import SettleSettings
 from tests.helpers.learner_trees import group, random_paths, tiny_qwen3
 from tests.helpers.live_actor import live
 from tests.helpers.poll import until
@@ -105,7 +107,7 @@ def request(rid: str) -> RolloutRequest:
 
 @reloads(Collector, "settle_checks", "settle_interval_s", "settle_timeout_s")
 async def test_collector_settle_rules_apply_to_rollouts_already_waiting():
-    c = CollectorSettings(settle_checks=1000, settle_interval_s=0.01, settle_timeout_s=60.0)
+    c = SettleSettings(settle_checks=1000, settle_interval_s=0.01, settle_timeout_s=60.0)
     actor = Collector("collector", c)
     s = settled([mc(0, [1, 2], [3])], rid="r0")
     async with live(actor) as lv:
@@ -205,7 +207,7 @@ async def stream_events(base_url: str, token: str) -> list[str]:
 async def test_proxy_keepalive_applies_to_the_next_call_and_update_timeout_to_the_next_update(tmp_path):
     script = tmp_path / "slow.json"
     script.write_text(json.dumps({"default": [{"text": "Done."}], "latency_s": 0.6}))
-    c = ProxyActorSettings(unix_socket="", keepalive_s=5.0,
+    c = ProxySettings(unix_socket="", keepalive_s=5.0,
                            engine=EngineSettings(kind="scripted", script=str(script)))
     actor = ProxyActor("proxy", c)
     with pytest.RaisesGroup(TimeoutError, flatten_subgroups=True):

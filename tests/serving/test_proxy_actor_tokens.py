@@ -11,9 +11,10 @@ import aiohttp
 import anyio
 import pytest
 
-from actors.proxy import ProxyActor, ProxyActorSettings
+from actors.proxy import ProxyActor
 from pipeline.messages import RolloutRequest, ServiceReady
 from pipeline.serving.factory import EngineSettings
+from pipeline.serving.proxy import ProxySettings
 from tests.helpers.live_actor import live
 from tests.helpers.treegen import settled
 
@@ -36,7 +37,7 @@ async def _status(url: str, token: str) -> int:
 async def test_a_settled_rollouts_token_is_refused_and_the_others_still_served(tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"default": [{"text": "Done."}]}))
-    cfg = ProxyActorSettings(unix_socket="", engine=EngineSettings(kind="scripted", script=str(script)))
+    cfg = ProxySettings(unix_socket="", engine=EngineSettings(kind="scripted", script=str(script)))
     actor = ProxyActor("proxy", cfg)
     async with live(actor) as lv:
         with anyio.fail_after(30):
@@ -75,7 +76,7 @@ async def test_with_proxy_workers_a_settled_rollouts_token_is_refused_by_its_wor
     model = ensure_model(msgspec.convert({"path": str(tmp_path / "model"), "families": "create_word", "tasks": 20,
                                           "hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
                                          ModelSpec))
-    cfg = ProxyActorSettings(workers=2, engine=EngineSettings(kind="embedded", model=str(model)))
+    cfg = ProxySettings(workers=2, engine=EngineSettings(kind="embedded", model=str(model)))
     ctx = ActorContext(run_dir=tmp_path, run=RunSection(model=str(model)))
     actor = ProxyActor("proxy", cfg, ctx)
     script = [{"text": "Done."}, {"text": "Done."}]

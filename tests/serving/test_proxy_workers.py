@@ -90,7 +90,8 @@ def test_each_worker_gets_its_own_socket_and_port():
     assert [(w.port, w.unix_socket) for w in (worker_endpoint(s, i) for i in range(2))] == [
         (0, "/tmp/x/proxy-0.sock"), (0, "/tmp/x/proxy-1.sock")]
     assert worker_endpoint(ProxySettings(port=9000), 2).port == 9002
-    assert worker_endpoint(ProxySettings(), 1).unix_socket == ""
+    assert worker_endpoint(ProxySettings(unix_socket=""), 1).unix_socket == ""
+    assert worker_endpoint(ProxySettings(), 1).unix_socket == "auto"
 
 
 # ------------------------------------------------------------------------------------ real worker processes

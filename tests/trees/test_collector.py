@@ -33,7 +33,7 @@ def run_ticks(s, start, end, step=0.1):
 
 
 def test_settles_after_n_quiet_checks():
-    s = Settler(SettleSettings(checks=3, interval_s=1.0, timeout_s=100))
+    s = Settler(SettleSettings(settle_checks=3, settle_interval_s=1.0, settle_timeout_s=100))
     s.add(REQ, 0)
     s.add(CallStarted(rollout_id="r", call_id="a", seq=0, t=0), 0)
     s.add(call("a", 0), 1)
@@ -47,7 +47,7 @@ def test_settles_after_n_quiet_checks():
 
 
 def test_record_after_harness_exit_inside_the_window_is_included():
-    s = Settler(SettleSettings(checks=2, interval_s=1.0, timeout_s=100))
+    s = Settler(SettleSettings(settle_checks=2, settle_interval_s=1.0, settle_timeout_s=100))
     s.add(REQ, 0)
     s.add(call("a", 0), 1)
     s.add(fin(), 10)
@@ -63,7 +63,7 @@ def test_record_after_harness_exit_inside_the_window_is_included():
 
 
 def test_call_that_never_finishes_is_cut_at_the_timeout_and_reported():
-    s = Settler(SettleSettings(checks=2, interval_s=1.0, timeout_s=30))
+    s = Settler(SettleSettings(settle_checks=2, settle_interval_s=1.0, settle_timeout_s=30))
     s.add(REQ, 0)
     s.add(call("a", 0), 1)
     s.add(CallStarted(rollout_id="r", call_id="hung", seq=1, t=2), 2)
@@ -76,7 +76,7 @@ def test_call_that_never_finishes_is_cut_at_the_timeout_and_reported():
 
 
 def test_duplicates_failed_calls_and_late_records():
-    s = Settler(SettleSettings(checks=1, interval_s=1.0, timeout_s=30))
+    s = Settler(SettleSettings(settle_checks=1, settle_interval_s=1.0, settle_timeout_s=30))
     s.add(REQ, 0)
     s.add(call("a", 0), 1)
     s.add(call("a", 0), 1.1)
@@ -92,6 +92,6 @@ def test_duplicates_failed_calls_and_late_records():
 
 
 def test_finished_without_request_is_an_orphan():
-    s = Settler(SettleSettings(checks=1, interval_s=1.0, timeout_s=30))
+    s = Settler(SettleSettings(settle_checks=1, settle_interval_s=1.0, settle_timeout_s=30))
     s.add(fin(), 0)
     assert s.tick(5) == [] and s.stats.orphans == 1
