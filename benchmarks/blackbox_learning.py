@@ -79,7 +79,7 @@ def _run(*args: str, sets: list[str], log: Path) -> None:
 
 def train(run_dir: Path, harness: str, seed: int, sets: list[str]) -> float:
     """The training run; returns its wall seconds. Every policy folder is kept (the SFT one is evaluated)."""
-    seeds = [f"{k}.seed={seed}" for k in ("experiment", "scheduler", "learner.train", "learner.sft")]
+    seeds = [f"experiment.seed={seed}"]  # every actor's seed (the task sets keep theirs)
     t0 = time.monotonic()
     _run("--run-dir", str(run_dir), sets=[*_harness_sets(harness), *seeds, "learner.keep_weights=1000", *sets],
          log=run_dir.with_name(run_dir.name + ".log"))

@@ -114,7 +114,7 @@ def plan(name: str, configs: int, out_of_space: bool) -> dict[str, list[str]]:
 
 
 def _seeds(seed: int) -> list[str]:
-    return [f"{k}.seed={seed}" for k in ("experiment", "scheduler", "learner.train", "learner.sft")]
+    return [f"experiment.seed={seed}"]  # every actor's seed (the task sets keep theirs)
 
 
 def train_sets(name: str, seed: int, sets: list[str]) -> list[str]:

@@ -82,7 +82,7 @@ def main() -> int:
         run_dir = base / f"seed{seed}"
         dt = float("nan")
         if args.from_dir is None:
-            seeds = [f"{k}.seed={seed}" for k in ("experiment", "scheduler", "learner.train", "learner.sft")]
+            seeds = [f"experiment.seed={seed}"]  # every actor's seed (the task sets keep theirs)
             t0 = time.time()
             r = run_quickstart(run_dir, [*seeds, *args.sets])
             dt = time.time() - t0

@@ -59,6 +59,8 @@ class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ExperimentSection(Section):
     name: str = ""
+    # The run's seed: what every actor's own seed is unless its section sets one (SEEDED): the scheduler's task
+    # order and sampling seeds, each training stage's, the evaluator's. Task sets keep their own (a task set is data).
     seed: int = 0
     runs_dir: str = "runs"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -300,6 +302,7 @@ def load_experiment(
     _check_graph(source, graph, actor_sections=list(raw))
     sections = {name: _decode_actor_section(source, graph, name, kind, raw.get(name, {}), resolve, overrides)
                 for name, kind in graph.actors.items()}
+    _seeded(sections, graph.actors, raw, exp.seed)
     out = Experiment(source=source, experiment=exp, graph=graph, sections=sections, overrides=overrides, run=run,
                      preset=preset)
     for name, sec in sections.items():
@@ -308,6 +311,32 @@ def load_experiment(
         except ConfigError as e:
             raise ConfigError(_blame_override(str(e), overrides)) from None
     return out
+
+
+# actor kind -> the tables of its section whose `seed` defaults to [experiment].seed
+SEEDED: dict[str, tuple[tuple[str, ...], ...]] = {
+    "scheduler": ((),),
+    "learner": (("train",), ("sft",)),
+    "evaluator": ((),),
+}
+
+
+def _seeded(sections: dict[str, Section], kinds: dict[str, str], raw: dict[str, Any], seed: int) -> None:
+    """Give every seed (SEEDED) that an actor's section leaves unset in the file the experiment's, in place."""
+    for name, kind in kinds.items():
+        for path in SEEDED.get(kind, ()):
+            given: Any = raw.get(name, {})
+            for part in path:
+                given = given.get(part, {}) if isinstance(given, dict) else {}
+            if isinstance(given, dict) and "seed" in given:
+                continue
+            sections[name] = _replace_at(sections[name], path, seed)
+
+
+def _replace_at(struct: Any, path: tuple[str, ...], seed: int) -> Any:
+    if not path:
+        return msgspec.structs.replace(struct, seed=seed)
+    return msgspec.structs.replace(struct, **{path[0]: _replace_at(getattr(struct, path[0]), path[1:], seed)})
 
 
 def model_folder_problem(model: str, *, build: bool) -> str:

@@ -384,3 +384,13 @@ def test_one_place_per_setting():
                 if (a, b) not in known and len(fields[a] & fields[b]) >= 4
                 and len(fields[a] & fields[b]) >= 0.75 * min(len(fields[a]), len(fields[b]))]
     assert not mirrored, f"settings structs that copy each other's fields: {mirrored}"
+
+
+def test_the_experiment_seed_seeds_every_actor_that_sets_none():
+    exp = quickstart(["experiment.seed=3", "learner.sft.seed=5"])
+    seeds = (exp.sections["scheduler"].seed, exp.sections["learner"].train.seed, exp.sections["learner"].sft.seed,
+             exp.sections["eval"].seed)
+    assert seeds == (3, 3, 5, 3)  # a section's own seed wins
+    assert exp.sections["learner"].sft.lr == 1e-3  # the stage's other defaults are untouched
+    # task sets are data, not the run's randomness: their seeds stay
+    assert exp.sections["scheduler"].tasks.seed == quickstart().sections["scheduler"].tasks.seed
