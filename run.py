@@ -277,6 +277,8 @@ def run(args: argparse.Namespace, resolve: Resolver) -> int:
         from pipeline.core.graphs import describe
 
         origin = f'preset "{exp.preset}"' if exp.preset else "custom graph"
+        if exp.experiment.description:
+            print(f"{exp.name}: {exp.experiment.description}")
         print(f"{path}: ok; {origin}, {len(exp.graph.actors)} actors (name, kind, where each output goes):")
         print("\n".join(describe(exp.graph.actors, exp.graph.parsed_edges(), exp.graph.stop_after)))
         return 0

@@ -64,7 +64,7 @@ class ExperimentSection(Section):
     seed: int = 0
     runs_dir: str = "runs"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    description: str = ""
+    description: str = ""  # one line saying what the experiment is; --validate prints it
     # Build a small CPU policy at [run].model before the run if it is missing (pipeline.models.quickstart.ModelSpec
     # fields other than path).
     build_model: dict[str, Any] = msgspec.field(default_factory=dict)
