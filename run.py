@@ -41,8 +41,8 @@ EXAMPLES: list[tuple[str, str]] = [
 EPILOG = (
     "examples (RUN_DIR: a run's folder, runs/<timestamp>-<name>; LOG: RUN_DIR/events.msgpack):\n"
     + "\n".join(f"  {cmd}\n      {what}" for cmd, what in EXAMPLES)
-    + "\n\nexit codes: 0 done, 1 an actor crashed, 2 bad configuration or arguments, 130 interrupted "
-    "(Ctrl-C / SIGTERM)\n"
+    + "\n\nexit codes: 0 done, 1 an actor crashed, 2 bad configuration or arguments (or a machine that lacks what the "
+    "run needs), 3 the run ended but no rollout succeeded, 130 interrupted (Ctrl-C / SIGTERM)\n"
 )
 
 

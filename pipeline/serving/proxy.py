@@ -121,6 +121,10 @@ class ProxySettings(Section):
         if self.engine.kind != "scripted" and not exp.run.model:
             raise ConfigError(f'{exp.source}: [run].model: the {self.engine.kind} engine ([{name}.engine].kind) '
                               "serves the policy in this HF folder; set it")
+        if self.engine.context_len and self.engine.context_len < self.context_len:
+            raise ConfigError(f"{exp.source}: [{name}].context_len = {self.context_len} admits prompts the engine "
+                              f"cannot hold: [{name}.engine].context_len = {self.engine.context_len}; make the "
+                              f"proxy's at most the engine's")
         for problem in (fleet_problem(self.engine), renderer_problem(self.engine, exp.run.model)):
             if problem:
                 raise ConfigError(f"{exp.source}: {problem.replace('[engine]', f'[{name}.engine]')}")

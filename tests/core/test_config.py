@@ -394,3 +394,10 @@ def test_the_experiment_seed_seeds_every_actor_that_sets_none():
     assert exp.sections["learner"].sft.lr == 1e-3  # the stage's other defaults are untouched
     # task sets are data, not the run's randomness: their seeds stay
     assert exp.sections["scheduler"].tasks.seed == quickstart().sections["scheduler"].tasks.seed
+
+
+def test_the_proxy_admits_no_longer_prompts_than_its_engine_holds():
+    quickstart(["proxy.context_len=4096", "proxy.engine.context_len=4096"])
+    with pytest.raises(cfg.ConfigError, match=r"\[proxy\].context_len = 32768 admits prompts the engine cannot hold: "
+                                              r"\[proxy.engine\].context_len = 4096"):
+        quickstart(["proxy.context_len=32768", "proxy.engine.context_len=4096"])
