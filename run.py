@@ -310,7 +310,7 @@ def outcome(sup: Supervisor, run_dir: Path) -> int:
 
     for actor in sup.actors.values():
         if isinstance(actor, Monitor) and hasattr(actor, "state") and actor.state.outcomes.none_succeeded:
-            print(f"run.py: {actor.state.outcomes.verdict()}. The run's log: {run_dir / 'log.jsonl'}",
+            print(f"run.py: {actor.state.outcomes.verdict()}\nrun.py: the run's log: {run_dir / 'log.jsonl'}",
                   file=sys.stderr)
             return NONE_SUCCEEDED
     return 0

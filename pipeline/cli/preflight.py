@@ -22,7 +22,8 @@ from pipeline.core.config import model_folder_problem
 from pipeline.rollout.harnesses import find_binary, harness_for
 from pipeline.tokens.render import BUILTIN_QWEN
 
-SGLANG_INSTALL = "pip install 'sglang[all]==0.5.23' (on a GPU machine), or attach a running server with [proxy.engine].url"
+SGLANG_INSTALL = ("on a GPU machine install bridle with it (pip install -e '.[sglang]', the README's GPU install), "
+                  "or attach a running server with [proxy.engine].url")
 
 
 def problems(exp: cfg.Experiment) -> list[str]:
@@ -52,8 +53,11 @@ def renderer_folder_problem(renderer: str, field: str) -> str:
     folder = Path(renderer)
     if not folder.is_dir():
         return f"{field} = {renderer!r}: no such folder; give a folder with the model's tokenizer and chat template"
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return f"{field} = {renderer!r}: no tokenizer there (tokenizer.json or tokenizer_config.json)"
+    vocab = (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file() or (
+        (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file())
+    if not vocab:
+        return (f"{field} = {renderer!r}: no tokenizer there (tokenizer.json, tokenizer.model, or vocab.json with "
+                "merges.txt); name the model's own folder, or copy its tokenizer files into this one")
     config = folder / "tokenizer_config.json"
     template = config.is_file() and bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
     if not template and not (folder / "chat_template.jinja").is_file():

@@ -30,7 +30,10 @@ class Outcomes:
     def add(self, fin: RolloutFinished) -> None:
         self.counts[fin.status] += 1
         if fin.status != "ok" and fin.status not in self.first:
-            self.first[fin.status] = one_line(fin.details) or "(no reason given)"
+            # the verdict's first line, cut; bridle's own notes after it ("note: ...") whole, they are short
+            head, *rest = fin.details.split("\n") or [""]
+            notes = [one_line(x, 400) for x in rest if x.startswith("note: ")]
+            self.first[fin.status] = "; ".join([one_line(head) or "(no reason given)", *notes])
 
     @property
     def total(self) -> int:
@@ -52,5 +55,4 @@ class Outcomes:
 
     def verdict(self) -> str:
         """What a run whose rollouts all failed says at its end."""
-        return (f"no rollout succeeded ({self.total} finished: {self.counts_text()}); "
-                + "; ".join(self.reasons()))
+        return f"no rollout succeeded ({self.total} finished: {self.counts_text()}): " + " | ".join(self.reasons())

@@ -159,7 +159,7 @@ def ensure_model(spec: ModelSpec) -> Path:
                        mean_reply_tokens=spec.mean_reply_tokens, sliding_window=spec.sliding_window)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
-    log.info("quickstart model created", path=str(out), vocab=table.size if table else "full")
+    log.info("small policy built", path=str(out), vocab=table.size if table else "full")
     return out
 
 

@@ -39,7 +39,8 @@ def test_model_folder_engine_and_renderer(tmp_path):
     found = problems(load(tmp_path, text))
     one(found, "[run].model = '/no/such/model': no such folder", "[experiment.build_model]")
     if importlib.util.find_spec("sglang") is None:
-        one(found, '[proxy.engine].kind = "sglang": SGLang is not installed', "pip install", "[proxy.engine].url")
+        one(found, '[proxy.engine].kind = "sglang": SGLang is not installed', "pip install -e '.[sglang]'",
+            "[proxy.engine].url")
     one(found, "[proxy.engine].renderer = '/no/such/model': no such folder")
     # a folder that is no model; a tokenizer folder without a chat template
     (tmp_path / "notes").mkdir()
@@ -47,9 +48,14 @@ def test_model_folder_engine_and_renderer(tmp_path):
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8}))
+    (tok / "tokenizer.json").write_text("{}")
     found = problems(load(tmp_path, f'[run]\nmodel = "{tmp_path / "notes"}"\n[proxy.engine]\nrenderer = "{tok}"\n'))
     one(found, "not a Hugging Face model folder (no config.json in it)")
     why = one(found, f"[proxy.engine].renderer = '{tok}': no chat template there")
+    (tok / "tokenizer.json").unlink()
+    one(problems(load(tmp_path, f'[run]\nmodel = "{tmp_path / "notes"}"\n[proxy.engine]\nrenderer = "{tok}"\n')),
+        f"[proxy.engine].renderer = '{tok}': no tokenizer there")
+    (tok / "tokenizer.json").write_text("{}")
     assert "chat_template=" not in why  # a Python argument no config can set
     (tok / "chat_template.jinja").write_text("{{ messages }}")
     again = load(tmp_path, f'[run]\nmodel = "{tmp_path / "notes"}"\n[proxy.engine]\nrenderer = "{tok}"\n')

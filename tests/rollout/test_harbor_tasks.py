@@ -146,7 +146,7 @@ async def test_agent_timeout_from_task_toml(sandbox, tmp_path):
     fin = await run("oracle", task, timeout_s=120.0)
     # killed at the task's 2 s, the workspace is still scored
     assert (fin.status, fin.reward) == ("timeout", 1.0), fin.details
-    assert "harness killed after 2s" in fin.details
+    assert "harness killed after 2s (task " in fin.details and "[agent] timeout_sec)" in fin.details
 
 
 # ------------------------------------------------------------------------------------------ image cache

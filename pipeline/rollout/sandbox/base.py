@@ -216,7 +216,8 @@ class SandboxBackend(ABC, Generic[S]):
                 return finish("verifier_error", str(e), exit_code=ended.exit_code)
             t.verified = time.time()
             if ended.timed_out:
-                return finish("timeout", f"harness killed after {limit_s:g}s{self._output_note(box)}",
+                return finish("timeout", f"harness killed after {limit_s:g}s ({limit_source(req, task)})"
+                              f"{self._output_note(box)}",
                               reward=verdict.reward, rewards=verdict.rewards)
             return finish("ok", verdict.summary, reward=verdict.reward, rewards=verdict.rewards, exit_code=0)
         finally:
@@ -266,7 +267,9 @@ class SandboxBackend(ABC, Generic[S]):
     def _output_note(self, box: S) -> str:
         if self.keep_workspaces and box.root is not None:
             return f" (its output: logs/{HARNESS_OUTPUT} in the kept rollout folder {box.root.name})"
-        return " (its output is kept with [sandbox.<backend>] keep_workspaces = true)"
+        # the Ray backend's sandboxes are Docker's, and so are its settings
+        table = "local" if self.kind == "local" else "docker"
+        return f" (its output is kept with [sandbox.{table}] keep_workspaces = true)"
 
 
 def judged(req: RolloutRequest) -> bool:
@@ -289,6 +292,14 @@ def harness_limit(req: RolloutRequest, task: Task) -> float:
     asks for less (Harbor's agent timeout)."""
     asked = task.config.agent.timeout_sec
     return min(req.timeout_s, asked) if asked is not None else req.timeout_s
+
+
+def limit_source(req: RolloutRequest, task: Task) -> str:
+    """Which setting gave :func:`harness_limit`, in the words a person can act on."""
+    asked = task.config.agent.timeout_sec
+    if asked is not None and asked < req.timeout_s:
+        return f"task {task.id}'s [agent] timeout_sec"
+    return "[eval] timeout_s" if req.purpose == "eval" else "[scheduler] timeout_s"
 
 
 def _harness(req: RolloutRequest, task: Task) -> tuple[Harness, str]:
