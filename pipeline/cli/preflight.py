@@ -104,10 +104,11 @@ def _sandbox_problems(exp: cfg.Experiment, name: str, sec: Any) -> list[str]:
                            "BRIDLE_HARNESS_BIN to its node_modules/.bin")
         return out
     if sec.backend != "docker":
-        return []  # Ray: each node's images are checked by its sandboxes when they start
+        return []  # Ray: each node's images and limits are checked by its sandboxes when they start
+    limits = [why] if (why := sec.docker.machine_problem(f"[{name}.docker]")) else []
     images = sorted({h.image for h in harnesses if h.image})
     bases = _dockerfile_bases(_task_sources(exp))
-    return anyio.run(_docker_problems, name, sec.docker, images, bases)
+    return limits + anyio.run(_docker_problems, name, sec.docker, images, bases)
 
 
 def _dockerfile_bases(folders: list[Path]) -> dict[str, list[str]]:

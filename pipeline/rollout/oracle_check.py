@@ -162,9 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend == "local":
             backend = LocalBackend(LocalSettings(**keep))
         else:
-            backend = DockerBackend(DockerSettings(verifier_network=args.verifier_network, cpus=args.cpus,
-                                                   memory=args.memory, build_network=args.build_network,
-                                                   base_images=bases, **keep))
+            docker = DockerSettings(verifier_network=args.verifier_network, cpus=args.cpus, memory=args.memory,
+                                    build_network=args.build_network, base_images=bases, **keep)
+            if why := docker.problem("oracle_check") or docker.machine_problem("oracle_check"):
+                print(f"error: {why.replace('oracle_check cpus', '--cpus').replace('oracle_check memory', '--memory')}",
+                      file=sys.stderr)
+                return 2
+            backend = DockerBackend(docker)
         try:
             results = anyio.run(check, tasks, backend, max(1, args.concurrency))
         except RuntimeError as e:  # no Docker engine

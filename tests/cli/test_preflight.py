@@ -107,6 +107,18 @@ def test_docker_backend_names_missing_base_images_and_how_to_provide_them(tmp_pa
     assert not any("absent" in f for f in problems(load(tmp_path, text, mapped)))
 
 
+def test_docker_limits_over_this_machine_are_named_with_the_rest(tmp_path):
+    """Checked before a run, not when the file is read (a file may be written for a bigger machine), and listed
+    with the other problems rather than stopping before them."""
+    text = ('[run]\nmodel = "/no/such/model"\n[sandbox]\nbackend = "docker"\n'
+            '[sandbox.docker]\ncpus = 4096.0\nmemory = "4096g"\n')
+    found = problems(load(tmp_path, text))
+    one(found, "[run].model = '/no/such/model'")
+    one(found, '[sandbox.docker] memory = \'4096g\' is more than this machine')
+    found = problems(load(tmp_path, text.replace('memory = "4096g"', 'memory = "1g"')))
+    one(found, "[sandbox.docker] cpus = 4096: this machine has")
+
+
 def test_validate_reports_every_problem_at_once_and_exits_2(tmp_path):
     p = tmp_path / "mine.toml"
     p.write_text('[run]\nmodel = "/no/such/model"\n[proxy.engine]\nrenderer = "/no/such/tok"\n')

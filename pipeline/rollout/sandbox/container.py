@@ -71,24 +71,29 @@ class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
     def problem(self, where: str) -> str:
-        """What in these settings cannot work on this machine ("" when nothing): a size that does not parse, is 0
-        or is over the machine's memory; more cores than it has; a root or malformed user."""
+        """What in these settings cannot work anywhere ("" when nothing): a size that does not parse or is 0; a
+        root or malformed user. What this machine cannot give is :meth:`machine_problem`'s."""
         from pipeline.rollout.sandbox.hardening import parse_user
 
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         try:
             parse_user(self.user)
             for field in ("memory", "storage", "file_size", "tmp_size", "home_size"):
-                size = parse_size(getattr(self, field), f"{where} {field}")
-                if not size:
+                if not parse_size(getattr(self, field), f"{where} {field}"):
                     return f"{where} {field} = {getattr(self, field)!r}: a size must be more than 0"
-                if field == "memory" and size > ram:
-                    return (f"{where} memory = {self.memory!r} is more than this machine's "
-                            f"{ram / (1 << 30):.1f} GiB")
         except ValueError as e:
             return str(e).replace("[sandbox.docker]", where)
+        return ""
+
+    def machine_problem(self, where: str) -> str:
+        """A limit over what this machine has: more memory or cores than it has ("" when none). Checked before a
+        run starts (pipeline/cli/preflight.py), not when the file is read: a file may be written for another
+        machine."""
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if parse_size(self.memory, f"{where} memory") > ram:
+            return f"{where} memory = {self.memory!r} is more than this machine's {ram / (1 << 30):.1f} GiB"
         if self.cpus > (os.cpu_count() or 1):
-            return f"{where} cpus = {self.cpus:g}: this machine has {os.cpu_count()} cores"
+            return (f"{where} cpus = {self.cpus:g}: this machine has {os.cpu_count()} cores; a task asks at most this "
+                    f"many, so {os.cpu_count()} or fewer")
         return ""
 
 
