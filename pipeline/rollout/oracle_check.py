@@ -19,7 +19,6 @@ otherwise, 2 for invalid folders or arguments. Tasks without ``solve.sh`` are li
 from __future__ import annotations
 
 import argparse
-import re
 import socket
 import sys
 import tempfile
@@ -38,12 +37,11 @@ from pipeline.rollout.sandbox import (
     SandboxBackend,
 )
 from pipeline.rollout.tasks import Task, TaskError, load_task_dir
-from pipeline.rollout.untrusted import UntrustedFileError, read_under
+from pipeline.rollout.untrusted import UntrustedFileError, printable, read_under
 
 TIMEOUT_S = 3600.0  # the request's limit; the task's [agent] timeout_sec bounds the oracle when it gives one
 OUTPUT_CHARS = 4000  # of test.sh's output per task with --show-output
 OFFLINE_NOTE = "failed network lookup"  # in the Docker verifier's note (docker_verify.verify_in_container)
-_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 async def check(tasks: list[Task], backend: SandboxBackend, concurrency: int) -> dict[str, tuple[RolloutFinished, float]]:
@@ -120,7 +118,7 @@ def test_outputs(workdir: Path, ids: dict[str, str]) -> dict[str, str]:
                 data = read_under(root / "logs", "verifier/test-stdout.txt", OUTPUT_CHARS, head=True)
             except (OSError, UntrustedFileError):
                 continue
-            out[tid] = _CONTROL.sub("", data.decode("utf-8", "replace")).rstrip()
+            out[tid] = printable(data.decode("utf-8", "replace")).rstrip()
     return out
 
 
