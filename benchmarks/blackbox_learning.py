@@ -5,6 +5,7 @@ held-out evaluation of its SFT and RL policies through the same harness, paired.
     python benchmarks/blackbox_learning.py --harness codex [--seed 0 1] [--out DIR] [--set k=v ...]
     python benchmarks/blackbox_learning.py --harness claude-code codex qwen-code openclaw --seed 0 1 --out DIR
     python benchmarks/blackbox_learning.py --from DIR          # re-print the table of an earlier invocation
+    python benchmarks/blackbox_learning.py --harness codex --flawed-demos 0.5 --out DIR   # RL has a choice to fix
 
 Per (harness, seed): one training run (`run.py --experiment blackbox`: demonstrations played through the harness,
 SFT on them, then GRPO through it; every policy folder kept), then `run.py --eval` of the cold start's policy (SFT)
@@ -15,6 +16,12 @@ tokens they sampled, their statuses, the output tokens and calls of solved and u
 call of each unsolved rollout produced (a tool call the harness ran, a malformed call, a plain answer): where a
 harness does not learn, the evidence starts there.
 
+`--flawed-demos F`: a share F of the demonstrations (drawn with the demonstration tasks' seed) prints the answer
+instead of writing it (each `write_file` of the oracle becomes the shell command `printf %s CONTENT`, which scores 0),
+as a careless teacher would. SFT then learns both behaviours, and RL's first job is to choose between them: the
+signal is the same for every task (which command to start with), where the slips of a policy SFT trained on correct
+demonstrations only are each task's own. The demonstration tasks are written to DIR/<harness>-seed<N>/demos.
+
 Goal (issue "learns through each real harness"): the paired RL - SFT pass@1 interval lies above 0 for every row.
 Exits 1 when a row misses it (or a run fails). Harnesses and seeds run one after another: each run uses the whole
 machine. Run folders: DIR/<harness>-seed<N>/{train,eval-sft,eval-rl}.
@@ -24,9 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import shlex
 import sys
 import tempfile
 import time
+import tomllib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,11 +45,13 @@ from pathlib import Path
 from _quickstart import run_logged  # benchmarks/ is sys.path[0] when run as a script
 
 from pipeline.cli.evaluate import latest_weights, load_report
+from pipeline.core.config import apply_overrides, resolve_experiment_path
 from pipeline.core.eventlog import EventLogReader
 from pipeline.core.logs import configure
 from pipeline.eval.estimators import Estimate, paired_difference, pass_at_k
 from pipeline.messages import PolicyUpdated
 from pipeline.monitor.metrics import load_metrics, of_kind
+from pipeline.rollout.scheduling import TaskSource, load_tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,6 +96,23 @@ def train(run_dir: Path, harness: str, seed: int, sets: list[str]) -> float:
     _run("--run-dir", str(run_dir), sets=[*_harness_sets(harness), *seeds, "learner.keep_weights=1000", *sets],
          log=run_dir.with_name(run_dir.name + ".log"))
     return time.monotonic() - t0
+
+
+def flawed_demonstrations(folder: Path, share: float, sets: list[str]) -> str:
+    """Write the experiment's demonstration tasks (``[scheduler].sft_tasks``) to ``folder``, a ``share`` of them with
+    the oracle's ``write_file`` actions turned into ``printf %s CONTENT`` (printed, not written); return the --set
+    that makes the run demonstrate them."""
+    raw = apply_overrides(tomllib.loads(resolve_experiment_path(EXPERIMENT).read_text(encoding="utf-8")), sets)
+    src = TaskSource(**raw["scheduler"]["sft_tasks"])
+    if not folder.is_dir():
+        tasks = load_tasks(src, folder.parent, folder.name)
+        for i in random.Random(src.seed).sample(range(len(tasks)), round(share * len(tasks))):
+            path = tasks[i].root / "solution" / "actions.json"
+            actions = json.loads(path.read_text(encoding="utf-8"))
+            flawed = [{"tool": "bash", "args": {"command": "printf %s " + shlex.quote(a["args"]["content"])}}
+                      if a["tool"] == "write_file" else a for a in actions]
+            path.write_text(json.dumps(flawed, indent=1), encoding="utf-8")
+    return f'scheduler.sft_tasks={{tasks="{folder}"}}'
 
 
 def sft_policy(run_dir: Path) -> Path:
@@ -137,13 +166,14 @@ def _first_output(s) -> str:
     return "untraced" if trace is None else {"tool_calls": "tool call"}.get(trace.output, trace.output)
 
 
-def measure(base: Path, harness: str, seed: int, sets: list[str], run: bool) -> Row:
+def measure(base: Path, harness: str, seed: int, sets: list[str], run: bool, flawed: float = 0.0) -> Row:
     row = Row(harness=harness, seed=seed)
     where = base / f"{harness}-seed{seed}"
     run_dir, eval_sft, eval_rl = where / "train", where / "eval-sft", where / "eval-rl"
     try:
         if run:
-            row.wall_min = train(run_dir, harness, seed, sets) / 60
+            demos = [flawed_demonstrations(where / "demos", flawed, sets)] if flawed else []
+            row.wall_min = train(run_dir, harness, seed, [*sets, *demos]) / 60
             policies = [(eval_sft, sft_policy(run_dir)), (eval_rl, latest_weights(run_dir))]
             # side by side: each is mostly waiting on its sandboxes
             with ThreadPoolExecutor(max_workers=2) as pool:
@@ -214,9 +244,13 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="where the runs go (default: a new temporary folder)")
     ap.add_argument("--set", dest="sets", action="append", default=[],
                     help="a config override for the training run and both evaluations (run.py --set)")
+    ap.add_argument("--flawed-demos", type=float, default=0.0, metavar="SHARE",
+                    help="this share of the demonstrations prints the answer instead of writing it (see above)")
     ap.add_argument("--from", dest="from_dir", type=Path,
                     help="print the table from the runs of an earlier invocation; run nothing")
     args = ap.parse_args()
+    if not 0.0 <= args.flawed_demos < 1.0:
+        ap.error(f"--flawed-demos {args.flawed_demos}: give a share from 0 (none, the default) to below 1")
     configure(level="warning")  # the tree rebuild's per-rollout debug lines would bury the table
     base = args.from_dir or args.out or Path(tempfile.mkdtemp(prefix="bridle-blackbox-"))
     print(f"run folders: {base}", flush=True)
@@ -228,7 +262,7 @@ def main() -> int:
     rows = []
     for harness, seed in todo:
         print(f"{harness}, seed {seed} ...", flush=True)
-        rows.append(measure(base, harness, seed, args.sets, run=args.from_dir is None))
+        rows.append(measure(base, harness, seed, args.sets, run=args.from_dir is None, flawed=args.flawed_demos))
         if rows[-1].error:
             print(rows[-1].error, file=sys.stderr, flush=True)
     print(table(rows))
