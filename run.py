@@ -261,7 +261,8 @@ def run(args: argparse.Namespace, resolve: Resolver) -> int:
     from pipeline.core.runtime import run_main
 
     path = cfg.resolve_experiment_path(args.experiment)
-    exp = cfg.load_experiment(path, resolve, args.overrides)
+    # --eval checks the graph it derives (no learner), not the training graph it comes from
+    exp = cfg.load_experiment(path, resolve, args.overrides, check=not args.eval)
     if args.eval:
         from pipeline.cli.evaluate import eval_experiment
 

@@ -137,7 +137,7 @@ def pass1(eval_dir: Path) -> tuple[Estimate, dict[str, float]]:
 
 def training_facts(run_dir: Path, row: Row) -> None:
     """Rewards of the RL steps (metrics.jsonl), the RL rollouts' statuses and tokens (the event log's trees)."""
-    from pipeline.cli.tree_report import rollouts_of
+    from pipeline.core.recordings import recorded_rollouts
     from pipeline.trees.tree import TreeOptions, build_tree
 
     rewards = [m["reward"] for m in of_kind(load_metrics(run_dir / "metrics.jsonl"), "rl_step") if "reward" in m]
@@ -145,7 +145,7 @@ def training_facts(run_dir: Path, row: Row) -> None:
     if rewards:
         head, tail = rewards[:5], rewards[-5:]
         row.first5, row.last5 = sum(head) / len(head), sum(tail) / len(tail)
-    for s, _ in rollouts_of(run_dir / "events.msgpack"):
+    for s in (r.rollout for r in recorded_rollouts(run_dir / "events.msgpack")):
         if s.request.purpose != "train":
             continue
         row.statuses[s.finished.status] += 1

@@ -83,8 +83,9 @@ def test_readme_stays_a_users_page():
 
 
 TOML_BLOCK = re.compile(r"```toml\n(.*?)```", re.DOTALL)
-# What the snippets name on a user's machine, here: a task folder that exists.
-PLACEHOLDERS = {"/data/tasks": str(ROOT / "tests" / "data" / "harbor")}
+# What the snippets name on a user's machine, here: a task folder and an event log that exist.
+PLACEHOLDERS = {"/data/tasks": str(ROOT / "tests" / "data" / "harbor"),
+                "/data/teacher-eval/events.msgpack": str(ROOT / "tests" / "data" / "quickstart.events.msgpack.gz")}
 
 
 def _merge(base: dict, top: dict) -> dict:

@@ -114,6 +114,9 @@ def eval_experiment(exp: cfg.Experiment, resolve: Resolver, *, model: str | None
     out.source = f"{exp.source} (--eval)"
     out.preset = "eval" if exp.preset == "train" else None
     _require_edges(out, ev[0])
+    proxy = out.kind_section("proxy")
+    if proxy is not None and proxy[1].engine.kind == "openai":  # a teacher answers, whatever [run].model says
+        return out, f"the teacher {proxy[1].engine.served_model!r} at {proxy[1].engine.url}"
     return out, out.run.model
 
 

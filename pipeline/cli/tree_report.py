@@ -12,64 +12,13 @@ Per rollout and per harness the report counts every call by how it joined the tr
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from pipeline.core.eventlog import EventLogReader
-from pipeline.messages import CallFailed, ModelCall, RolloutFinished, RolloutRequest, SettledRollout
+from pipeline.core.recordings import recorded_rollouts
 from pipeline.trees.tree import RolloutTree, TreeOptions, build_tree, format_calls, format_stats
-
-
-@dataclass
-class _Seen:
-    request: RolloutRequest | None = None
-    finished: RolloutFinished | None = None
-    calls: list[ModelCall] = field(default_factory=list)
-    failed: list[CallFailed] = field(default_factory=list)
-
-
-def rollouts_of(log_path: Path) -> list[tuple[SettledRollout, bool]]:
-    """(rollout, whether the log held its SettledRollout), in the order rollouts first appear in the log."""
-    settled: dict[str, SettledRollout] = {}
-    seen: dict[str, _Seen] = defaultdict(_Seen)
-    order: list[str] = []
-    for ev in EventLogReader(log_path):
-        m = ev.msg
-        rid = getattr(m, "rollout_id", None) or (m.request.rollout_id if isinstance(m, SettledRollout) else None)
-        if rid is None:
-            continue
-        if rid not in seen:
-            order.append(rid)
-        s = seen[rid]
-        if isinstance(m, SettledRollout):
-            settled[rid] = m
-        elif isinstance(m, RolloutRequest):
-            s.request = m
-        elif isinstance(m, RolloutFinished):
-            s.finished = m
-        elif isinstance(m, ModelCall):
-            s.calls.append(m)
-        elif isinstance(m, CallFailed):
-            s.failed.append(m)
-    out: list[tuple[SettledRollout, bool]] = []
-    for rid in order:
-        if rid in settled:
-            out.append((settled[rid], True))
-            continue
-        s = seen[rid]
-        if not s.calls:
-            continue
-        request = s.request or RolloutRequest(rollout_id=rid, group_id=rid, index=0, group_size=1, task_id="",
-                                              harness="unknown", token="", policy_version=0)
-        # No verdict in the log (a --serve recording, or a run cut before it): build it as if it had succeeded,
-        # so the report shows what would be trained.
-        finished = s.finished or RolloutFinished(rollout_id=rid, group_id=request.group_id, status="ok")
-        out.append((SettledRollout(request=request, finished=finished, calls=s.calls, failed_calls=s.failed),
-                    False))
-    return out
 
 
 class RolloutReport(msgspec.Struct, kw_only=True):
@@ -109,7 +58,8 @@ def report(log_path: Path, options: TreeOptions | None = None) -> tuple[TreeRepo
     trees: list[RolloutTree] = []
     rows: list[RolloutReport] = []
     per: dict[str, dict[str, Counter[str]]] = defaultdict(lambda: defaultdict(Counter))
-    for s, was_settled in rollouts_of(log_path):
+    for rec in recorded_rollouts(log_path):
+        s, was_settled = rec.rollout, rec.settled
         tree = build_tree(s, options or TreeOptions())
         trees.append(tree)
         st = tree.stats

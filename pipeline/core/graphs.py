@@ -33,6 +33,7 @@ TRAIN_EDGES = [
     "sandbox.finished -> scheduler",
     "sandbox.finished -> monitor",  # statuses and first reasons on the display; a run where none succeeded says so
     "collector.settled -> tree",
+    "scheduler.recorded -> tree",   # [scheduler].sft_recordings: demonstrations from earlier runs' event logs
     "collector.settled -> proxy",   # the proxy forgets a settled rollout's token
     "tree.groups -> learner",
     "tree.dropped -> learner",

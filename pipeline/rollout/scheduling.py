@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt, Section
+from pipeline.core.recordings import Recordings
 from pipeline.messages import RolloutRequest, SamplingParams, rollout_token
 from pipeline.rollout import demonstrations
 from pipeline.rollout.harness_space import AssignmentRule, Space, assign, design
@@ -82,6 +83,8 @@ class SchedulerSettings(Section):
     group_size: PosInt = 4
     max_groups_in_flight: PosInt = 4
     sft_groups: NonNegInt = 0  # oracle demonstration groups before training (cold-start SFT)
+    # earlier runs' rollouts as demonstrations too: an --eval of a teacher, a --serve session (rejection-sampled)
+    sft_recordings: Recordings | None = None
     sft_group_size: PosInt = 2
     temperature: NonNegFloat = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
@@ -100,6 +103,8 @@ class SchedulerSettings(Section):
         for label, src in (("tasks", self.tasks), ("sft_tasks", self.sft_tasks)):
             if src is not None and (why := src.problem()):
                 raise ConfigError(f"{exp.source}: [{name}].{label}: {why}")
+        if self.sft_recordings is not None and (why := self.sft_recordings.problem()):
+            raise ConfigError(f"{exp.source}: [{name}].sft_recordings: {why}")
         if self.top_k == 0:
             raise ConfigError(f"{exp.source}: [{name}].top_k: 0 samples nothing; use -1 (off) or >= 1")
         if self.mode == "mix" and not self.harnesses:
@@ -116,9 +121,10 @@ class SchedulerSettings(Section):
                     f"{exp.source}: [{name}].{field_name} = {value} leaves no room for a prompt within "
                     f"[{proxy[0]}].context_len = {proxy[1].context_len}; lower the first or raise the second")
         learner = exp.kind_section("learner")
-        if learner is not None and exp.run.steps == 0 and self.sft_groups == 0:
+        if learner is not None and exp.run.steps == 0 and self.sft_groups == 0 and self.sft_recordings is None:
             raise ConfigError(f"{exp.source}: [run].steps = 0 and [{name}].sft_groups = 0: nothing to train; a run "
-                              "with no RL steps is a cold start only and needs demonstrations")
+                              "with no RL steps is a cold start only and needs demonstrations (sft_groups, or "
+                              "recorded runs in sft_recordings)")
         if learner is not None and exp.run.steps > 0 and self.temperature < GREEDY_TEMPERATURE:
             raise ConfigError(
                 f"{exp.source}: [{name}].temperature = {self.temperature:g} is greedy decoding: the engine's "
@@ -313,6 +319,7 @@ class Issuer:
     version: int = 0  # the newest policy version the learner announced
     steps_done: int = 0  # RL steps the learner finished (PolicyUpdated.step)
     attempt: int = 0  # resume attempt (0: the first run)
+    recorded: int = 0  # demonstrations from recorded runs ([scheduler].sft_recordings), sent by the actor itself
     sft_issued: int = 0
     train_issued: int = 0
     warm: bool = False
@@ -326,7 +333,7 @@ class Issuer:
     _sft: list[Assignment] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.warm = self.settings.sft_groups == 0
+        self.warm = self.settings.sft_groups == 0 and not self.recorded
 
     @property
     def total(self) -> int:
@@ -334,7 +341,7 @@ class Issuer:
 
     @property
     def demonstrations(self) -> int:
-        return self.settings.sft_groups * self.settings.sft_group_size
+        return self.settings.sft_groups * self.settings.sft_group_size + self.recorded
 
     def resume(self, steps_done: int, attempt: int) -> None:
         """Continue after ``steps_done`` finished steps; replaying the planners keeps their task order."""

@@ -17,11 +17,12 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
 from pipeline.messages import VersionSpan
+from pipeline.tokens.conversation import Conversation
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -126,6 +127,16 @@ class EngineProcess:
     name: str
     process: subprocess.Popen
     log_path: Path
+
+
+@runtime_checkable
+class ConversationEngine(Protocol):
+    """An engine that answers the conversation the harness sent rather than its token ids: a teacher model behind
+    another API (:class:`pipeline.serving.teacher.TeacherEngine`). The proxy still renders the prompt (the record's
+    input ids) and the answer comes back in the policy's tokens."""
+
+    async def answer(self, conversation: Conversation, input_ids: Sequence[int], sampling: EngineSampling, *,
+                     rid: str) -> GenerateResult: ...
 
 
 class Engine(Protocol):

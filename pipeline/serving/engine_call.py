@@ -9,6 +9,7 @@ from typing import Any
 from pipeline.core.logs import get_logger
 from pipeline.messages import VersionSpan
 from pipeline.serving.engine import (
+    ConversationEngine,
     Engine,
     EngineBadRequest,
     EngineError,
@@ -17,17 +18,22 @@ from pipeline.serving.engine import (
     GenerateResult,
 )
 from pipeline.serving.wire import ErrorKind
+from pipeline.tokens.conversation import Conversation
 
 ENGINE_RETRY_S = 0.5
 
 
 async def run_engine(
-    engine: Engine, input_ids: Any, sampling: EngineSampling, rid: str, retries: int = 0
+    engine: Engine, input_ids: Any, sampling: EngineSampling, rid: str, retries: int = 0,
+    conversation: Conversation | None = None,
 ) -> tuple[GenerateResult | None, tuple[ErrorKind, str] | None]:
     """(result, None), or (None, (error kind, message)) for an engine failure the client is told about. A failure
-    of the engine itself (EngineUnavailable) is retried ``retries`` times first."""
+    of the engine itself (EngineUnavailable) is retried ``retries`` times first. An engine that answers
+    conversations (a teacher) gets ``conversation`` too."""
     for attempt in range(retries + 1):
         try:
+            if conversation is not None and isinstance(engine, ConversationEngine):
+                return await engine.answer(conversation, input_ids, sampling, rid=rid), None
             return await engine.generate(input_ids, sampling, rid=rid), None
         except EngineBadRequest as e:
             msg = str(e)

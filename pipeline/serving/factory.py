@@ -1,6 +1,7 @@
 """Opening the policy engine an experiment asks for (``[proxy.engine]``): scripted (in-process), embedded (our
-torch server, its own process; ``replicas = N`` of them behind sglang-router) or SGLang (launched here; running
-servers behind a router launched here; or attached to a running server / router). All are used through the same
+torch server, its own process; ``replicas = N`` of them behind sglang-router), SGLang (launched here; running
+servers behind a router launched here; or attached to a running server / router), or a teacher behind an
+OpenAI-compatible endpoint (``openai``: recording only). All are used through the same
 :class:`pipeline.serving.engine.Engine` interface; embedded and SGLang through the same HTTP client,
 :class:`pipeline.serving.sglang_client.HttpEngine`."""
 
@@ -22,16 +23,21 @@ from pipeline.serving.launch import DEFAULT_PREFIX_CACHE_MB, attach, launch_embe
 from pipeline.serving.router import RouterSettings, launch_embedded_fleet, launch_router_over
 from pipeline.serving.scripted import ScriptedEngine, load_script
 from pipeline.serving.sglang_client import HttpEngine
+from pipeline.serving.teacher import TeacherEngine, api_key_from
 from pipeline.tokens.render import BUILTIN_QWEN, Renderer, load_renderer
 
 
 class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Which engine serves the policy, and how to start it; which fields apply to which ``kind`` is noted."""
 
-    kind: Literal["scripted", "embedded", "sglang"] = "embedded"
+    # openai: a teacher model behind any OpenAI-compatible endpoint answers (recording only; pipeline/serving/teacher.py)
+    kind: Literal["scripted", "embedded", "sglang", "openai"] = "embedded"
     model: str = ""  # HF model folder (embedded, sglang)
     script: str = ""  # script file (scripted)
-    url: str = ""  # sglang: attach to a running server or router instead of launching one
+    url: str = ""  # sglang: attach to a running server or router instead of launching one; openai: the base URL (…/v1)
+    served_model: str = ""  # openai: the model name the endpoint serves
+    api_key_env: str = ""  # openai: the environment variable holding the endpoint's key (never the key itself)
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # openai: seconds one answer may take
     # sglang: the servers behind `url` (they get the weight updates); without `url`, bridle starts sglang-router
     # in front of them ([proxy.engine.router])
     worker_urls: list[str] = msgspec.field(default_factory=list)
@@ -113,6 +119,17 @@ async def open_engine(
         if not s.script:
             raise ValueError("[engine].script: the scripted engine needs a script file")
         yield ScriptedEngine(renderer, load_script(resolve_path(s.script)), weight_version=s.weight_version)
+        return
+    if s.kind == "openai":
+        if not s.url or not s.served_model:
+            raise ValueError('[engine]: kind = "openai" needs url (the endpoint\'s base URL, e.g. '
+                             'http://host:8000/v1) and served_model (the model name it serves)')
+        teacher = TeacherEngine(renderer, s.url, s.served_model, api_key=api_key_from(s.api_key_env),
+                                timeout_s=s.request_timeout_s, weight_version=s.weight_version)
+        try:
+            yield teacher
+        finally:
+            await teacher.aclose()
         return
     log_path = Path(s.log_path) if s.log_path else (run_dir / f"engine-{s.kind}.log" if run_dir else None)
     async with _http_engine(s, log_path) as client:

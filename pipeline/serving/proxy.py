@@ -118,7 +118,15 @@ class ProxySettings(Section):
         if self.engine.model:
             raise ConfigError(f"{exp.source}: [{name}.engine].model moved to [run].model (the policy the engine "
                               "serves is the one the learner trains); set it there")
-        if self.engine.kind != "scripted" and not exp.run.model:
+        if self.engine.kind == "openai":
+            learner = exp.kind_section("learner")
+            if learner is not None:
+                raise ConfigError(
+                    f'{exp.source}: [{name}.engine].kind = "openai" (a teacher behind another endpoint) with '
+                    f"[{learner[0]}] in the graph: the teacher's samples are not the policy's, so nothing may train on "
+                    "them as they are sampled. Record the teacher with run.py --eval (or --serve), then learn from "
+                    "the recording in another run: [scheduler].sft_recordings")
+        elif self.engine.kind != "scripted" and not exp.run.model:
             raise ConfigError(f'{exp.source}: [run].model: the {self.engine.kind} engine ([{name}.engine].kind) '
                               "serves the policy in this HF folder; set it")
         if self.engine.context_len and self.engine.context_len < self.context_len:
@@ -129,9 +137,9 @@ class ProxySettings(Section):
             if problem:
                 raise ConfigError(f"{exp.source}: {problem.replace('[engine]', f'[{name}.engine]')}")
         if self.workers > 1:
-            if self.engine.kind == "scripted":
-                raise ConfigError(f"{exp.source}: [{name}].workers = {self.workers}: the scripted engine lives in the "
-                                  "proxy's process, which workers cannot reach; use workers = 1 with it")
+            if self.engine.kind in ("scripted", "openai"):
+                raise ConfigError(f"{exp.source}: [{name}].workers = {self.workers}: the {self.engine.kind} engine "
+                                  "lives in the proxy's process, which workers cannot reach; use workers = 1 with it")
             sandbox = exp.kind_section("sandbox")
             if (sandbox is not None and getattr(sandbox[1], "backend", "") == "ray"
                     and sandbox[1].ray.proxy_address):
@@ -390,7 +398,7 @@ class Proxy:
         # The engine call runs as a plain asyncio task (the server runs on asyncio): a task group + event + cancel
         # scope per call cost more than the rest of the waiting.
         task = asyncio.get_running_loop().create_task(
-            run_engine(engine, input_ids, sampling, rid, self.settings.engine_retries))
+            run_engine(engine, input_ids, sampling, rid, self.settings.engine_retries, call.conv))
         resp, disconnected = await watch_engine(call.request, call.proto, call.sstate, call.stream, task, engine, rid,
                                                 stream_head_s=self.settings.stream_head_s,
                                                 keepalive_s=self.settings.keepalive_s)

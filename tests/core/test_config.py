@@ -400,3 +400,26 @@ def test_the_proxy_admits_no_longer_prompts_than_its_engine_holds():
     with pytest.raises(cfg.ConfigError, match=r"\[proxy\].context_len = 32768 admits prompts the engine cannot hold: "
                                               r"\[proxy.engine\].context_len = 4096"):
         quickstart(["proxy.context_len=32768", "proxy.engine.context_len=4096"])
+
+
+def test_a_teacher_engine_records_and_is_never_trained_on(tmp_path):
+    teacher = 'proxy.engine={kind="openai", url="http://127.0.0.1:9/v1", served_model="t"}'
+    with pytest.raises(cfg.ConfigError, match=r'kind = "openai".*\[learner\] in the graph.*sft_recordings'):
+        quickstart([teacher])
+    from pipeline.cli.evaluate import eval_experiment  # --eval checks the graph it derives: no learner there
+
+    exp, what = eval_experiment(cfg.load_experiment("quickstart", resolve, [teacher], check=False), resolve)
+    assert exp.kind_section("learner") is None and what == "the teacher 't' at http://127.0.0.1:9/v1"
+    with pytest.raises(cfg.ConfigError, match="workers cannot reach"):
+        cfg.load_experiment("serve", resolve, [teacher, "proxy.workers=2"])
+
+
+def test_recorded_runs_are_demonstrations_enough_for_a_cold_start(tmp_path):
+    cold = ["run.steps=0", "scheduler.sft_groups=0"]
+    with pytest.raises(cfg.ConfigError, match="nothing to train"):
+        quickstart(cold)
+    log = tmp_path / "events.msgpack"
+    with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].sft_recordings: logs: no such file"):
+        quickstart([*cold, f'scheduler.sft_recordings={{logs=["{log}"]}}'])
+    log.write_bytes(b"")
+    quickstart([*cold, f'scheduler.sft_recordings={{logs=["{log}"], min_reward=0.5}}'])

@@ -41,8 +41,8 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     assert "failed" not in row, r.stdout + r.stderr[-3000:]
     assert "goal: the paired RL - SFT pass@1 interval lies above 0 in every row:" in r.stdout
 
-    from pipeline.cli.tree_report import rollouts_of
     from pipeline.core.eventlog import EventLogReader
+    from pipeline.core.recordings import recorded_rollouts
     from pipeline.messages import GroupResample, PolicyUpdated, RolloutFinished, RolloutRequest
 
     run_dir = out / "codex-seed0" / "train"
@@ -74,7 +74,7 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     # what their first calls produced, as the event log's traces say
     assert re.search(r"\| n/a \(0\) / \d+, \d+\.\d \(16\) \| .+ \(16\) \|$", row), row
     firsts = Counter()
-    for s, _ in rollouts_of(run_dir / "events.msgpack"):
+    for s in (r.rollout for r in recorded_rollouts(run_dir / "events.msgpack")):
         if s.request.purpose == "train":
             first = min((c for c in s.calls if c.label == "main"), key=lambda c: c.seq, default=None)
             firsts["no call" if first is None else {"tool_calls": "tool call"}.get(first.trace.output,
