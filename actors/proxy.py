@@ -58,10 +58,10 @@ class ProxyActor(Actor[ProxySettings]):
         return msgspec.structs.replace(c, unix_socket=sock)
 
     async def run(self) -> None:
-        engine_settings = msgspec.structs.replace(self.config.engine, model=self.ctx.run.model)
+        engine_settings = self.config.engine
         renderer = open_renderer(engine_settings)
         self._check_template(renderer)
-        async with open_engine(engine_settings, renderer, run_dir=self.run_dir) as engine:
+        async with open_engine(engine_settings, renderer, model=self.ctx.run.model, run_dir=self.run_dir) as engine:
             if self.config.workers > 1:
                 await self._run_workers(engine, engine_settings)
                 return

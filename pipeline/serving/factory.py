@@ -28,29 +28,28 @@ from pipeline.tokens.render import BUILTIN_QWEN, Renderer, load_renderer
 
 
 class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Which engine serves the policy, and how to start it; which fields apply to which ``kind`` is noted."""
+    """``[proxy.engine]``: which engine serves ``[run].model``, and how to start it. ``kind`` selects which of the
+    other fields apply (KIND_FIELDS); a field set for another kind is refused, naming the kind that reads it."""
 
     # openai: a teacher model behind any OpenAI-compatible endpoint answers (recording only; pipeline/serving/teacher.py)
     kind: Literal["scripted", "embedded", "sglang", "openai"] = "embedded"
-    model: str = ""  # HF model folder (embedded, sglang)
-    script: str = ""  # script file (scripted)
-    url: str = ""  # sglang: attach to a running server or router instead of launching one; openai: the base URL (…/v1)
-    served_model: str = ""  # openai: the model name the endpoint serves
-    api_key_env: str = ""  # openai: the environment variable holding the endpoint's key (never the key itself)
-    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # openai: seconds one answer may take
-    # sglang: the servers behind `url` (they get the weight updates); without `url`, bridle starts sglang-router
-    # in front of them ([proxy.engine.router])
-    worker_urls: list[str] = msgspec.field(default_factory=list)
-    # embedded: this many engine processes (each its own port and copy of the weights, `threads` each) behind
-    # sglang-router ([proxy.engine.router]); weight updates go to every one
-    replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
-    router: RouterSettings = msgspec.field(default_factory=RouterSettings)
     renderer: str = "qwen3"  # "qwen3" (built-in, offline) or a folder with a HF tokenizer + chat template
     # how the model writes tool calls: "auto" (from the renderer folder's chat template / config.json) or a name in
     # pipeline/tokens/toolparse.py FORMATS ("hermes", "llama3_json", "mistral")
     tool_format: str = "auto"
     enable_thinking: bool = False
     weight_version: int = 0  # the policy version the engine starts with (sent as a string)
+    script: str = ""  # scripted: the script file
+    # sglang: attach to a running server or router instead of launching one; openai: the base URL (…/v1)
+    url: str = ""
+    # sglang: the servers behind `url` (they get the weight updates); without `url`, bridle starts sglang-router
+    # in front of them ([proxy.engine.router])
+    worker_urls: list[str] = msgspec.field(default_factory=list)
+    sglang_args: list[str] = msgspec.field(default_factory=list)  # sglang: extra launch_server arguments
+    # embedded: this many engine processes (each its own port and copy of the weights, `threads` each) behind
+    # sglang-router ([proxy.engine.router]); weight updates go to every one
+    replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
+    router: RouterSettings = msgspec.field(default_factory=RouterSettings)  # embedded replicas, sglang worker_urls
     max_running_requests: Annotated[int, msgspec.Meta(ge=1)] = 32  # embedded
     threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # embedded: torch threads per engine (0 = half the cores, shared out among the replicas)
     context_len: Annotated[int, msgspec.Meta(ge=0)] = 0  # embedded: the context length (0: the model's own)
@@ -58,17 +57,36 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded: the served weights' dtype
     # embedded: MiB of KV its prefix cache may hold (0 = off); a prompt's longest cached prefix is not computed again
     prefix_cache_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = DEFAULT_PREFIX_CACHE_MB
-    sglang_args: list[str] = msgspec.field(default_factory=list)  # sglang: extra launch_server arguments
-    log_path: str = ""  # the engine process's log (default: engine-<kind>.log in the run folder)
+    log_path: str = ""  # embedded, sglang: the engine process's log (default: engine-<kind>.log in the run folder)
+    served_model: str = ""  # openai: the model name the endpoint serves
+    api_key_env: str = ""  # openai: the environment variable holding the endpoint's key (never the key itself)
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # openai: seconds one answer may take
 
 
-def fleet_problem(s: EngineSettings) -> str:
-    """What is wrong with how ``s`` asks for several engines ("" when nothing)."""
-    if s.replicas > 1 and s.kind != "embedded":
-        return (f"[engine].replicas = {s.replicas} starts several embedded engines; with kind = {s.kind!r} list "
+# The fields of [proxy.engine] every kind reads, and those only some kinds read.
+COMMON_FIELDS = frozenset({"kind", "renderer", "tool_format", "enable_thinking", "weight_version"})
+KIND_FIELDS: dict[str, frozenset[str]] = {
+    "scripted": frozenset({"script"}),
+    "embedded": frozenset({"replicas", "router", "max_running_requests", "threads", "context_len", "device", "dtype",
+                           "prefix_cache_mb", "log_path"}),
+    "sglang": frozenset({"url", "worker_urls", "router", "sglang_args", "log_path"}),
+    "openai": frozenset({"url", "served_model", "api_key_env", "request_timeout_s"}),
+}
+
+
+def engine_problem(s: EngineSettings) -> str:
+    """A field set that ``s.kind`` does not read (it would do nothing), or several engines asked of a kind that
+    cannot have them; "" when nothing is wrong."""
+    if s.kind == "sglang" and s.replicas > 1:
+        return (f"[engine].replicas = {s.replicas} starts several embedded engines; with kind = 'sglang' list "
                 "running SGLang servers in [engine].worker_urls instead (bridle starts the router in front of them)")
-    if s.worker_urls and s.kind != "sglang":
-        return f"[engine].worker_urls lists SGLang servers; kind = {s.kind!r} does not use them"
+    defaults = EngineSettings()
+    for f in msgspec.structs.fields(EngineSettings):
+        if f.name in COMMON_FIELDS or f.name in KIND_FIELDS[s.kind] or getattr(s, f.name) == getattr(defaults, f.name):
+            continue
+        owners = " or ".join(f'"{k}"' for k, names in KIND_FIELDS.items() if f.name in names)
+        return (f'[engine].{f.name} is read by kind = {owners} only; this engine is kind = "{s.kind}". Remove it, or '
+                f"replace the whole table to change the kind: --set 'proxy.engine={{kind=\"{s.kind}\", ...}}'")
     return ""
 
 
@@ -110,10 +128,11 @@ def open_renderer(s: EngineSettings) -> Renderer:
 
 @contextlib.asynccontextmanager
 async def open_engine(
-    s: EngineSettings, renderer: Renderer, *, run_dir: Path | None = None
+    s: EngineSettings, renderer: Renderer, *, model: str = "", run_dir: Path | None = None
 ) -> AsyncIterator[Engine]:
-    """The engine ``s`` describes, ready; a launched engine process stops when the context exits."""
-    if problem := fleet_problem(s):
+    """The engine ``s`` describes, serving ``model`` (a HF folder: ``[run].model``), ready; a launched engine process
+    stops when the context exits."""
+    if problem := engine_problem(s):
         raise ValueError(problem)
     if s.kind == "scripted":
         if not s.script:
@@ -132,26 +151,26 @@ async def open_engine(
             await teacher.aclose()
         return
     log_path = Path(s.log_path) if s.log_path else (run_dir / f"engine-{s.kind}.log" if run_dir else None)
-    async with _http_engine(s, log_path) as client:
+    async with _http_engine(s, model, log_path) as client:
         yield client
 
 
-def _http_engine(s: EngineSettings, log_path: Path | None) -> AbstractAsyncContextManager[HttpEngine]:
+def _http_engine(s: EngineSettings, model: str, log_path: Path | None) -> AbstractAsyncContextManager[HttpEngine]:
     if s.kind == "embedded":
-        if not s.model:
-            raise ValueError("[engine].model: the embedded engine needs a HF model folder")
+        if not model:
+            raise ValueError("[run].model: the embedded engine needs a HF model folder")
         options = {"weight_version": str(s.weight_version), "max_running_requests": s.max_running_requests,
                    "threads": s.threads or engine_threads(s.replicas), "context_length": s.context_len or None,
                    "device": s.device, "dtype": s.dtype, "prefix_cache_mb": s.prefix_cache_mb}
         if s.replicas > 1:
-            return launch_embedded_fleet(s.model, s.replicas, s.router, log_path=log_path, **options)
-        return launch_embedded(s.model, log_path=log_path, **options)
+            return launch_embedded_fleet(model, s.replicas, s.router, log_path=log_path, **options)
+        return launch_embedded(model, log_path=log_path, **options)
     if s.url:
         return attach(s.url, worker_urls=s.worker_urls or None)
     if s.worker_urls:
         return launch_router_over(s.worker_urls, s.router, log_path=log_path)
-    if not s.model:
-        raise ValueError("[engine].model: SGLang needs a model path (or [engine].url to attach)")
+    if not model:
+        raise ValueError("[run].model: SGLang needs a model path (or [engine].url to attach)")
     return launch_sglang(
-        s.model, weight_version=str(s.weight_version), extra_args=s.sglang_args, log_path=log_path
+        model, weight_version=str(s.weight_version), extra_args=s.sglang_args, log_path=log_path
     )

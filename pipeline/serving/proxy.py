@@ -47,7 +47,7 @@ from pipeline.messages import (
 )
 from pipeline.serving.engine import Engine, EngineSampling
 from pipeline.serving.engine_call import result_versions, run_engine
-from pipeline.serving.factory import EngineSettings, fleet_problem, renderer_problem
+from pipeline.serving.factory import EngineSettings, engine_problem, renderer_problem
 from pipeline.serving.harness_request import (
     ProxyError,
     convert,
@@ -115,9 +115,6 @@ class ProxySettings(Section):
     reloadable = frozenset({"keepalive_s", "update_timeout_s"})
 
     def check(self, name: str, exp: Any) -> None:
-        if self.engine.model:
-            raise ConfigError(f"{exp.source}: [{name}.engine].model moved to [run].model (the policy the engine "
-                              "serves is the one the learner trains); set it there")
         if self.engine.kind == "openai":
             learner = exp.kind_section("learner")
             if learner is not None:
@@ -133,7 +130,7 @@ class ProxySettings(Section):
             raise ConfigError(f"{exp.source}: [{name}].context_len = {self.context_len} admits prompts the engine "
                               f"cannot hold: [{name}.engine].context_len = {self.engine.context_len}; make the "
                               f"proxy's at most the engine's")
-        for problem in (fleet_problem(self.engine), renderer_problem(self.engine, exp.run.model)):
+        for problem in (engine_problem(self.engine), renderer_problem(self.engine, exp.run.model)):
             if problem:
                 raise ConfigError(f"{exp.source}: {problem.replace('[engine]', f'[{name}.engine]')}")
         if self.workers > 1:

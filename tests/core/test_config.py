@@ -2,6 +2,7 @@
 
 import tomllib
 
+import msgspec
 import pytest
 
 from actors import REGISTRY
@@ -237,7 +238,8 @@ def test_dynamic_sampling_needs_the_resample_edge_and_grpo():
 def test_fields_of_run_are_set_only_in_run():
     with pytest.raises(cfg.ConfigError, match=r"learner.steps=3: .*unknown field steps; it is set once for every actor, in \[run\]"):
         quickstart(["learner.steps=3"])
-    with pytest.raises(cfg.ConfigError, match=r"\[proxy.engine\].model moved to \[run\].model"):
+    with pytest.raises(cfg.ConfigError, match=r"proxy.engine.model=.*unknown field model; it is set once for every "
+                                              r"actor, in \[run\]"):
         quickstart(['proxy.engine.model="/m"'])
 
 
@@ -423,3 +425,18 @@ def test_recorded_runs_are_demonstrations_enough_for_a_cold_start(tmp_path):
         quickstart([*cold, f'scheduler.sft_recordings={{logs=["{log}"]}}'])
     log.write_bytes(b"")
     quickstart([*cold, f'scheduler.sft_recordings={{logs=["{log}"], min_reward=0.5}}'])
+
+
+def test_the_engine_kind_selects_its_fields():
+    """A field another kind reads is refused, naming that kind and how to switch kinds (replace the table)."""
+    with pytest.raises(cfg.ConfigError, match=r'\[proxy.engine\].threads is read by kind = "embedded" '
+                                              r'only; this engine is kind = "sglang".*replace the whole table'):
+        quickstart(['proxy.engine.kind="sglang"'])
+    with pytest.raises(cfg.ConfigError, match=r'\[proxy.engine\].url is read by kind = "sglang" or "openai" only'):
+        quickstart(['proxy.engine.url="http://127.0.0.1:30000"'])
+    exp = quickstart(['proxy.engine={kind="sglang", url="http://127.0.0.1:30000"}'])
+    assert exp.sections["proxy"].engine.kind == "sglang" and exp.sections["proxy"].engine.threads == 0
+    from pipeline.serving.factory import COMMON_FIELDS, KIND_FIELDS, EngineSettings
+
+    named = COMMON_FIELDS.union(*KIND_FIELDS.values())
+    assert named == {f.name for f in msgspec.structs.fields(EngineSettings)}  # every field belongs somewhere

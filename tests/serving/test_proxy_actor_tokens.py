@@ -76,7 +76,7 @@ async def test_with_proxy_workers_a_settled_rollouts_token_is_refused_by_its_wor
     model = ensure_model(msgspec.convert({"path": str(tmp_path / "model"), "families": "create_word", "tasks": 20,
                                           "hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
                                          ModelSpec))
-    cfg = ProxySettings(workers=2, engine=EngineSettings(kind="embedded", model=str(model)))
+    cfg = ProxySettings(workers=2, engine=EngineSettings(kind="embedded"))
     ctx = ActorContext(run_dir=tmp_path, run=RunSection(model=str(model)))
     actor = ProxyActor("proxy", cfg, ctx)
     script = [{"text": "Done."}, {"text": "Done."}]

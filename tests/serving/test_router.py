@@ -19,7 +19,7 @@ from aiohttp import web
 
 from pipeline.serving import router
 from pipeline.serving.engine import EngineSampling
-from pipeline.serving.factory import EngineSettings, engine_threads, fleet_problem
+from pipeline.serving.factory import EngineSettings, engine_problem, engine_threads
 from pipeline.serving.launch import free_port
 from pipeline.serving.router import INSTALL, RouterSettings, launch_router_over, router_available
 from pipeline.serving.watchdog import EngineDied, watch_engine
@@ -247,14 +247,14 @@ def test_router_flags_are_the_installed_routers():
     ("settings", "needle"),
     [
         (EngineSettings(kind="sglang", replicas=2), "list running SGLang servers in [engine].worker_urls"),
-        (EngineSettings(kind="scripted", replicas=2), "starts several embedded engines"),
-        (EngineSettings(kind="embedded", worker_urls=["http://a:1"]), "kind = 'embedded' does not use them"),
+        (EngineSettings(kind="scripted", replicas=2), '[engine].replicas is read by kind = "embedded" only'),
+        (EngineSettings(kind="embedded", worker_urls=["http://a:1"]), '[engine].worker_urls is read by kind = "sglang"'),
     ],
 )
 def test_fleet_settings_that_cannot_work_are_refused(settings, needle):
-    assert needle in fleet_problem(settings)
-    assert fleet_problem(EngineSettings(kind="embedded", replicas=3)) == ""
-    assert fleet_problem(EngineSettings(kind="sglang", worker_urls=["http://a:1", "http://b:2"])) == ""
+    assert needle in engine_problem(settings)
+    assert engine_problem(EngineSettings(kind="embedded", replicas=3)) == ""
+    assert engine_problem(EngineSettings(kind="sglang", worker_urls=["http://a:1", "http://b:2"])) == ""
 
 
 def test_replicas_share_out_half_the_cores(monkeypatch):

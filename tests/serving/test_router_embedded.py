@@ -77,10 +77,10 @@ def fleet(tmp_path_factory):
           "num_kv_heads": 2}
     p0 = create_small_model(root / "v0", seed=0, **kw)
     p1 = create_small_model(root / "v1", seed=1, **kw)
-    settings = EngineSettings(kind="embedded", model=str(p0), replicas=2, threads=1, context_len=512,
+    settings = EngineSettings(kind="embedded", replicas=2, threads=1, context_len=512,
                               router=RouterSettings(policy="round_robin"))
     with anyio.from_thread.start_blocking_portal() as portal, \
-            portal.wrap_async_context_manager(open_engine(settings, renderer(), run_dir=root)) as eng:
+            portal.wrap_async_context_manager(open_engine(settings, renderer(), model=str(p0), run_dir=root)) as eng:
         assert [p.name for p in eng.processes] == ["router", "engine 0", "engine 1"]
         # odd versions are the seed-1 weights, even ones the seed-0 weights
         yield Fleet(eng.base_url, eng.control_urls, {str(v): str(p1 if v % 2 else p0) for v in range(6)}, root)
@@ -215,7 +215,7 @@ def test_cache_aware_routing_keeps_each_rollout_on_the_engine_that_cached_it(tmp
     require(router_available(), f"sglang-router is not installed ({INSTALL})")
     model = create_small_model(tmp_path / "m", seed=0, vocab=VocabTable.from_sequences([WORDS]), hidden_size=64,
                                num_layers=2, num_heads=4, num_kv_heads=2)
-    settings = EngineSettings(kind="embedded", model=str(model), replicas=2, threads=1, context_len=1024)
+    settings = EngineSettings(kind="embedded", replicas=2, threads=1, context_len=1024)
     assert settings.router.resolved_policy() == "cache_aware"
 
     async def main():
@@ -228,7 +228,7 @@ def test_cache_aware_routing_keeps_each_rollout_on_the_engine_that_cached_it(tmp
                 calls.append((i, turn, prompt, res))
                 prompt = prompt + res.output_ids + [IM_START, WORDS[turn], IM_END]
 
-        async with open_engine(settings, renderer(), run_dir=tmp_path) as eng:
+        async with open_engine(settings, renderer(), model=str(model), run_dir=tmp_path) as eng:
             async with anyio.create_task_group() as tg:
                 for i in range(4):
                     tg.start_soon(rollout, eng, i)
