@@ -13,7 +13,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from pipeline.core.config import ConfigError, Experiment, PosInt, Section
+from pipeline.core.config import ConfigError, Experiment, PosInt
 from pipeline.core.runfiles import run_tag
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, RolloutFinished, RolloutRequest, ServiceReady
@@ -24,12 +24,22 @@ from pipeline.rollout.sandbox import (
     LocalBackend,
     LocalSettings,
     SandboxBackend,
+    SandboxCommon,
 )
 from pipeline.rollout.sandbox.ray_backend import RayBackend, RaySettings
 from pipeline.rollout.tasks import TaskError, load_task
 
+# The backend tables each backend reads ([sandbox.ray]'s nodes run the Docker backend).
+BACKEND_TABLES: dict[str, frozenset[str]] = {
+    "local": frozenset({"local"}), "docker": frozenset({"docker"}), "ray": frozenset({"ray", "docker"}),
+}
 
-class SandboxConfig(Section):
+
+class SandboxSettings(SandboxCommon):
+    """``[sandbox]``: the pool (backend, concurrency), what every backend reads (SandboxCommon: turns, model name,
+    rollout folders) and one table per backend; ``backend`` selects the tables that apply (BACKEND_TABLES), and a
+    table set for another backend is refused, naming the backend that reads it."""
+
     backend: Literal["local", "docker", "ray"] = "local"
     concurrency: PosInt = 4
     local: LocalSettings = msgspec.field(default_factory=LocalSettings)
@@ -39,6 +49,13 @@ class SandboxConfig(Section):
     reloadable = frozenset({"concurrency"})
 
     def check(self, name: str, exp: Experiment) -> None:
+        for table, default in (("local", LocalSettings()), ("docker", DockerSettings()), ("ray", RaySettings())):
+            if table not in BACKEND_TABLES[self.backend] and getattr(self, table) != default:
+                readers = " or ".join(f'"{b}"' for b, tables in BACKEND_TABLES.items() if table in tables)
+                raise ConfigError(
+                    f'{exp.source}: [{name}.{table}] is read by backend = {readers} only; this pool is backend = '
+                    f'"{self.backend}". Remove the table, or set backend = {readers.split(" or ")[0]} (what every '
+                    f"backend reads, such as max_turns, is [{name}]'s own)")
         if self.backend == "ray":
             try:
                 self.ray.check(f"[{name}.ray]")
@@ -55,19 +72,19 @@ class SandboxConfig(Section):
                 raise ConfigError(f"{exp.source}: {why}")
 
 
-class SandboxPool(Actor[SandboxConfig]):
-    Config = SandboxConfig
+class SandboxPool(Actor[SandboxSettings]):
+    Config = SandboxSettings
     outputs = ("finished", "metrics")
 
     def _backend(self, run_id: str) -> SandboxBackend | RayBackend:
         c = self.config
         backend: SandboxBackend | RayBackend
         if c.backend == "ray":
-            backend = RayBackend(c.ray, c.docker, run_id=run_id)
+            backend = RayBackend(c.ray, c.docker, c, run_id=run_id)
         elif c.backend == "docker":
-            backend = DockerBackend(c.docker, run_id=run_id)
+            backend = DockerBackend(c.docker, c, run_id=run_id)
         else:
-            backend = LocalBackend(c.local, run_id=run_id)
+            backend = LocalBackend(c.local, c, run_id=run_id)
         if self.config.judge is not None:
             backend.judge = Judge(self.config.judge)
         return backend
@@ -121,7 +138,7 @@ class SandboxPool(Actor[SandboxConfig]):
             await self.send("metrics", Metric(source=self.name, kind=kind, values={
                 "rollouts_running": self.running, "reward": fin.reward, "ok": float(fin.status == "ok")}))
 
-    async def on_config(self, new: SandboxConfig, changes: dict[str, Any]) -> None:
+    async def on_config(self, new: SandboxSettings, changes: dict[str, Any]) -> None:
         self.config = new
         if "concurrency" in changes:
             self.limiter.total_tokens = new.concurrency

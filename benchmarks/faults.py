@@ -472,7 +472,7 @@ def ray_episode(run: Run, want: int, rng: random.Random, args: argparse.Namespac
     try:
         worker = _new_worker_id(set(), cluster.worker)
         run.sets = [*run.sets, f'sandbox.ray.address="{cluster.address}"',
-                    f'sandbox.docker.workdir="{run.dir.parent / (run.name + "-work")}"']
+                    f'sandbox.workdir="{run.dir.parent / (run.name + "-work")}"']
         run.start()
         tag = run_tag(run.dir)
         while len(faults) < want and run.alive:

@@ -80,7 +80,7 @@ EVAL = ["eval.columns=[]", "eval.tasks.count=20"]
 # The real harnesses run in Docker as configs/blackbox.toml runs them: their prompts are 8-19k tokens.
 OUT_OF_SPACE = [
     'sandbox.backend="docker"', 'sandbox.docker.network="none"', 'sandbox.docker.verifier_network="none"',
-    "sandbox.docker.cpus=1.0", 'sandbox.docker.memory="2g"', "sandbox.docker.max_turns=6", "proxy.context_len=32768",
+    "sandbox.docker.cpus=1.0", 'sandbox.docker.memory="2g"', "sandbox.max_turns=6", "proxy.context_len=32768",
     "eval.samples=1", "eval.ks=[1]", "eval.max_new_tokens=96", "eval.timeout_s=240.0",
 ]
 

@@ -35,6 +35,7 @@ from pipeline.rollout.sandbox import (
     LocalBackend,
     LocalSettings,
     SandboxBackend,
+    SandboxCommon,
 )
 from pipeline.rollout.tasks import Task, TaskError, load_task_dir
 from pipeline.rollout.untrusted import UntrustedFileError, printable, read_under
@@ -155,18 +156,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="bridle-oracle-work-", ignore_cleanup_errors=True) as work:
-        keep = {"keep_workspaces": args.show_output, "workdir": work}
+        common = SandboxCommon(keep_workspaces=args.show_output, workdir=work)
         backend: SandboxBackend
         if args.backend == "local":
-            backend = LocalBackend(LocalSettings(**keep))
+            backend = LocalBackend(LocalSettings(), common)
         else:
             docker = DockerSettings(verifier_network=args.verifier_network, cpus=args.cpus, memory=args.memory,
-                                    build_network=args.build_network, base_images=bases, **keep)
+                                    build_network=args.build_network, base_images=bases)
             if why := docker.problem("oracle_check") or docker.machine_problem("oracle_check"):
                 print(f"error: {why.replace('oracle_check cpus', '--cpus').replace('oracle_check memory', '--memory')}",
                       file=sys.stderr)
                 return 2
-            backend = DockerBackend(docker)
+            backend = DockerBackend(docker, common)
         try:
             results = anyio.run(check, tasks, backend, max(1, args.concurrency))
         except RuntimeError as e:  # no Docker engine

@@ -24,7 +24,7 @@ def test_quickstart_with_two_proxy_workers_records_every_call_once_and_replays(t
 
 @pytest.mark.docker
 def test_docker_sandboxes_reach_their_own_proxy_worker(tmp_path, images):  # noqa: F811
-    run_and_check(tmp_path, "docker", [f'sandbox.docker.workdir="{tmp_path / "work"}"',
+    run_and_check(tmp_path, "docker", [f'sandbox.workdir="{tmp_path / "work"}"',
                                        'sandbox.docker.build_network="none"'])
 
 

@@ -62,7 +62,7 @@ def test_quickstart_on_two_ray_nodes_survives_losing_the_worker(cluster, tmp_pat
         "scheduler.sft_groups=4", "tree.sft_pack=4", "learner.sft_epochs=1",
         "run.steps=3", "scheduler.group_size=3", "run.groups_per_step=2", "scheduler.tasks.count=40",
         'monitor.display="off"', 'sandbox.backend="ray"', "proxy.workers=2", f'sandbox.ray.address="{cluster.address}"',
-        f'sandbox.docker.workdir="{tmp_path / "work"}"', 'sandbox.docker.build_network="none"',
+        f'sandbox.workdir="{tmp_path / "work"}"', 'sandbox.docker.build_network="none"',
     ]
     args = [sys.executable, "run.py", "--experiment", "docker", "--run-dir", str(run_dir), "--no-watch"]
     for s in sets:

@@ -29,7 +29,7 @@ from actors.evaluator import Evaluator
 from actors.learner import LearnerActor, LearnerSettings
 from actors.monitor import Monitor, MonitorConfig
 from actors.proxy import ProxyActor
-from actors.sandbox import SandboxConfig, SandboxPool
+from actors.sandbox import SandboxPool, SandboxSettings
 from actors.scheduler import Scheduler
 from actors.toy import Scale, ScaleConfig, Sink, SinkConfig, Source, SourceConfig
 from actors.tree import TreeBuilder, TreeSettings
@@ -263,7 +263,7 @@ class FakeBackend:
 async def test_sandbox_concurrency_resizes_the_pool_under_waiting_rollouts(monkeypatch):
     backend = FakeBackend()
     monkeypatch.setattr("actors.sandbox.load_task", lambda path: path)
-    c = SandboxConfig(concurrency=1)
+    c = SandboxSettings(concurrency=1)
     actor = SandboxPool("sandbox", c)
     monkeypatch.setattr(actor, "_backend", lambda run_id: backend)
     async with live(actor) as lv:

@@ -21,6 +21,7 @@ import pytest
 
 from pipeline.messages import RolloutFinished, RolloutRequest
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings
+from pipeline.rollout.sandbox.base import SandboxCommon
 from pipeline.rollout.scheduling import oracle_script
 from pipeline.rollout.tasks import Task, load_task
 from pipeline.serving.scripted import Script, ScriptResponse
@@ -52,15 +53,16 @@ def request(harness: str, task: Task, rid: str = "r1", timeout_s: float = 120.0)
                           token=f"tok-{rid}", policy_version=0, timeout_s=timeout_s)
 
 
-def settings(tmp: Path, **kw) -> DockerSettings:
+def backend_for(tmp: Path, **kw) -> DockerBackend:
     """This machine's tests: builds and verifiers without network (the fixtures need none)."""
-    return DockerSettings(workdir=str(tmp / "work"), verifier_network="none", build_network="none", **kw)
+    return DockerBackend(DockerSettings(verifier_network="none", build_network="none", **kw),
+                         SandboxCommon(workdir=str(tmp / "work")))
 
 
 @pytest.fixture
 async def sandbox(images, tmp_path):
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend(settings(tmp_path))
+    backend = backend_for(tmp_path)
     await backend.start()
     async with running_proxy(unix_socket=str(sock)) as (proxy, _records, _token):
 
@@ -122,7 +124,7 @@ async def test_limits_above_the_settings_are_capped_and_said(images, tmp_path):
     toml = (HARBOR / "greeting" / "task.toml").read_text().replace('memory = "384M"', 'memory = "64G"')
     task = harbor_task(tmp_path, "greeting", toml=toml, solve="#!/usr/bin/env bash\nsleep 2\ngreet world > out.txt\n")
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend(settings(tmp_path, memory="512m"))
+    backend = backend_for(tmp_path, memory="512m")
     await backend.start()
     seen: dict = {}
 
@@ -336,7 +338,7 @@ async def test_black_box_harness_on_the_task_image(images, tmp_path):
     plain = load_task(plain.root)
     assert [a.tool for a in plain.oracle_actions] == ["bash"] and "greet world" in plain.oracle_actions[0].args["command"]
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend(settings(tmp_path))
+    backend = backend_for(tmp_path)
     await backend.start()
     before = await backend.task_images.resolve(task)
     finished = {}

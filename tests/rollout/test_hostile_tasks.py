@@ -41,6 +41,7 @@ from pipeline.core.eventlog import EventLogReader, EventLogWriter, LogHeader
 from pipeline.messages import SCHEMA_VERSION, RolloutFinished, RolloutRequest
 from pipeline.rollout.judge import workspace_snapshot
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend, LocalSettings
+from pipeline.rollout.sandbox.base import SandboxCommon
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import Task, TaskSpec, materialize
 from tests.helpers.ci import require
@@ -222,7 +223,7 @@ async def run_rollout(kind: str, task: Task, run_dir: Path, keep: bool = True) -
                          token="tok", policy_version=0, timeout_s=120.0, task_path=str(task.root))
     with structlog.testing.capture_logs() as lines:
         if kind == "local":
-            backend = LocalBackend(LocalSettings(workdir=str(work), keep_workspaces=keep), run_id=run_id)
+            backend = LocalBackend(LocalSettings(), common=SandboxCommon(workdir=str(work), keep_workspaces=keep), run_id=run_id)
             await backend.start()
             try:
                 fin = await backend.run(req, task, proxy_url="http://127.0.0.1:9")
@@ -230,7 +231,7 @@ async def run_rollout(kind: str, task: Task, run_dir: Path, keep: bool = True) -
                 await backend.aclose()
         else:
             sock = run_dir.parent / f"{run_id}.sock"
-            backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(work), keep_workspaces=keep), run_id=run_id)
+            backend = DockerBackend(DockerSettings(**OFFLINE), common=SandboxCommon(workdir=str(work), keep_workspaces=keep), run_id=run_id)
             await backend.start()
             try:
                 async with running_proxy(unix_socket=str(sock)) as (proxy, _records, _token):
@@ -498,7 +499,7 @@ async def test_a_slowloris_from_inside_a_docker_sandbox_does_not_starve_a_good_c
 
     sock = tmp_path / "proxy.sock"
     task = with_solve(generate("create_file", 0), tmp_path, "slowloris", SLOWLORIS)
-    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work")), run_id="slowloris")
+    backend = DockerBackend(DockerSettings(**OFFLINE), common=SandboxCommon(workdir=str(tmp_path / "work")), run_id="slowloris")
     await backend.start()
     req = RolloutRequest(rollout_id="bad", group_id="g", index=0, group_size=1, task_id=task.id, harness="oracle",
                          token="bad-token", policy_version=0, timeout_s=120.0, task_path=str(task.root))

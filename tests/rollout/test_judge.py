@@ -16,7 +16,7 @@ import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.sandbox import SandboxConfig
+from actors.sandbox import SandboxSettings
 from pipeline.core.config import ConfigError, load_experiment
 from pipeline.messages import RolloutFinished, RolloutRequest
 from pipeline.rollout.judge import (
@@ -29,6 +29,7 @@ from pipeline.rollout.judge import (
     workspace_snapshot,
 )
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend, LocalSettings
+from pipeline.rollout.sandbox.base import SandboxCommon
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import Task, materialize
 from tests.helpers.docker import OFFLINE
@@ -118,7 +119,7 @@ def load(judge: dict | None = None, **top):
     raw = {**SANDBOX_ONLY, **top}
     if judge is not None:
         raw["sandbox"] = {"judge": judge}
-    return load_experiment(raw, lambda kind: {"sandbox": type("P", (), {"Config": SandboxConfig,
+    return load_experiment(raw, lambda kind: {"sandbox": type("P", (), {"Config": SandboxSettings,
                                                                           "outputs": ()})}[kind])
 
 
@@ -177,8 +178,8 @@ async def rollout(tmp_path: Path, task: Task, judge: JudgeSettings | None, kind:
                   purpose: str = "train") -> RolloutFinished:
     """One oracle rollout through the ``kind`` backend with ``judge``."""
     work = str(tmp_path / "work")
-    b = (LocalBackend(LocalSettings(workdir=work)) if kind == "local"
-         else DockerBackend(DockerSettings(**OFFLINE, workdir=work)))
+    b = (LocalBackend(LocalSettings(), common=SandboxCommon(workdir=work)) if kind == "local"
+         else DockerBackend(DockerSettings(**OFFLINE), common=SandboxCommon(workdir=work)))
     if judge is not None:
         b.judge = Judge(judge)
     await b.start()

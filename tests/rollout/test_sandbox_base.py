@@ -155,7 +155,7 @@ async def test_non_zero_exit_is_harness_error_and_not_verified(task):
     b = Scripted(wait=HarnessExit(timed_out=False, exit_code=3))
     fin = await run(b, task)
     assert (fin.status, fin.reward, fin.rewards, fin.exit_code) == ("harness_error", 0.0, {}, 3)
-    assert fin.details == "harness exited with 3 (its output is kept with [sandbox.docker] keep_workspaces = true)"
+    assert fin.details == "harness exited with 3 (its output is kept with [sandbox] keep_workspaces = true)"
     assert fin.timings == timings(1, 2, 3)
     assert b.calls == ["prepare", "launch", "wait", "release", "cleanup", "cleaned"]
 
@@ -166,7 +166,7 @@ async def test_timeout_is_scored_whatever_the_exit_code(task, exit_code):
                  verify=Verdict(reward=0.5, rewards={"rule": 0.5, "part": 1.0}, summary="half"))
     fin = await run(b, task, timeout_s=2.5)
     assert (fin.status, fin.reward, fin.rewards, fin.exit_code) == ("timeout", 0.5, {"rule": 0.5, "part": 1.0}, None)
-    assert fin.details == "harness killed after 2.5s ([scheduler] timeout_s) (its output is kept with [sandbox.docker] keep_workspaces = true)"
+    assert fin.details == "harness killed after 2.5s ([scheduler] timeout_s) (its output is kept with [sandbox] keep_workspaces = true)"
     assert fin.timings == timings(1, 2, 3, 4)
     assert b.calls == [*ALL, "cleaned"]
     assert b.timeouts == [2.5]
@@ -176,7 +176,7 @@ async def test_out_of_memory_is_harness_error_naming_the_limit(task):
     b = Scripted(wait=HarnessExit(timed_out=False, exit_code=137, out_of_memory=True))
     fin = await run(b, task)
     assert (fin.status, fin.reward, fin.exit_code) == ("harness_error", 0.0, 137)
-    assert fin.details == "the harness ran out of memory (limit 2g) (its output is kept with [sandbox.docker] keep_workspaces = true)"
+    assert fin.details == "the harness ran out of memory (limit 2g) (its output is kept with [sandbox] keep_workspaces = true)"
     assert "verify" not in b.calls and b.calls[-2:] == ["cleanup", "cleaned"]
 
 
@@ -189,7 +189,7 @@ async def test_killed_from_outside_is_sandbox_error(task):
     b = Scripted(wait=HarnessExit(timed_out=False, exit_code=137, killed_from_outside=True))
     fin = await run(b, task)
     assert (fin.status, fin.reward, fin.exit_code) == ("sandbox_error", 0.0, 137)
-    assert fin.details == "the sandbox was killed from outside (its output is kept with [sandbox.docker] keep_workspaces = true)"
+    assert fin.details == "the sandbox was killed from outside (its output is kept with [sandbox] keep_workspaces = true)"
     assert fin.timings == timings(1, 2, 3)
     assert "verify" not in b.calls and b.calls[-2:] == ["cleanup", "cleaned"]
 
@@ -241,7 +241,7 @@ async def test_sandbox_gone_under_the_harness_is_sandbox_error_without_its_outpu
     b = Scripted(wait=SandboxError("the container disappeared"), logs="half a line")
     fin = await run(b, task)
     assert (fin.status, fin.reward, fin.exit_code) == ("sandbox_error", 0.0, None)
-    assert fin.details == "the container disappeared (its output is kept with [sandbox.docker] keep_workspaces = true)"
+    assert fin.details == "the container disappeared (its output is kept with [sandbox] keep_workspaces = true)"
     assert fin.timings == timings(1, 2)
     assert b.calls == ["prepare", "launch", "wait", "cleanup", "cleaned"]
 

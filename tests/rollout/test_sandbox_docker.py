@@ -19,6 +19,7 @@ import pytest
 
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings
+from pipeline.rollout.sandbox.base import SandboxCommon
 from pipeline.rollout.sandbox.docker import LABEL
 from pipeline.rollout.scheduling import oracle_script
 from pipeline.rollout.taskgen import family_names, generate
@@ -48,7 +49,7 @@ def variant(tmp: Path, name: str, solve: str, family: str = "create_file", seed:
 async def sandbox(images, tmp_path):
     """(backend, proxy, socket path): a started Docker backend and a proxy listening on a Unix socket."""
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work")))
+    backend = DockerBackend(DockerSettings(**OFFLINE), common=SandboxCommon(workdir=str(tmp_path / "work")))
     await backend.start()
     async with running_proxy(unix_socket=str(sock)) as (proxy, _records, _token):
         yield backend, proxy, str(sock)
@@ -228,7 +229,7 @@ json.dump(res, open("/app/net.json", "w"))
 async def test_isolation_only_the_proxy_answers(images, tmp_path):
     listener = _Listener()
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work"), keep_workspaces=True))
+    backend = DockerBackend(DockerSettings(**OFFLINE), common=SandboxCommon(workdir=str(tmp_path / "work"), keep_workspaces=True))
     await backend.start()
     probe = PROBE.replace("{port}", str(listener.port))
     task = variant(tmp_path, "probe", f"python3 - <<'EOF'\n{probe}\nEOF")

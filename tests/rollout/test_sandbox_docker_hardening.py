@@ -19,6 +19,7 @@ import pytest
 from pipeline.core.runtime import emergency_stop
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings
+from pipeline.rollout.sandbox.base import SandboxCommon
 from pipeline.rollout.sandbox.hardening import CONTAINER_HOME
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import EnvironmentSection, Task, materialize
@@ -65,8 +66,7 @@ async def inspect(cid: str) -> dict:
 
 async def test_the_harness_runs_confined_and_goes_on_after_a_refused_write(images, tmp_path):
     work = tmp_path / "work"
-    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(work), file_size="1m", open_files=1024,
-                                           tmp_size="32m", home_size="16m", network="host"))
+    backend = DockerBackend(DockerSettings(**OFFLINE, file_size="1m", open_files=1024, tmp_size="32m", home_size="16m", network="host"), common=SandboxCommon(workdir=str(work)))
     await backend.start()
     task = stand_in(tmp_path, "probe", PROBE)
     seen: dict = {}
@@ -119,7 +119,7 @@ async def test_the_harness_runs_confined_and_goes_on_after_a_refused_write(image
 async def test_network_none_still_reaches_the_proxy_as_non_root(images, tmp_path):
     """The forwarder binds 127.0.0.1:8080 and connects to the mounted socket as the unprivileged uid."""
     sock = tmp_path / "proxy.sock"
-    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work"), keep_workspaces=True))
+    backend = DockerBackend(DockerSettings(**OFFLINE), common=SandboxCommon(workdir=str(tmp_path / "work"), keep_workspaces=True))
     await backend.start()
     solve = ("python3 -c 'import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:8080/health\","
              " timeout=5).status)' > /app/health.txt\n")
@@ -141,8 +141,7 @@ async def test_a_workspace_over_the_tasks_storage_is_sandbox_error(images, tmp_p
         task, check_s = stand_in(tmp_path, "fill", fill + "sleep 600\n", storage="16m"), 0.2
     else:
         task, check_s = stand_in(tmp_path, "fill", fill, storage="16M"), 600.0
-    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work"), storage_check_s=check_s,
-                                           network="host"))
+    backend = DockerBackend(DockerSettings(**OFFLINE, storage_check_s=check_s, network="host"), common=SandboxCommon(workdir=str(tmp_path / "work")))
     await backend.start()
     # The harness would sleep out its 600 s: only the disk watch's kill ends it within the test's bound.
     with anyio.fail_after(150):
@@ -158,7 +157,7 @@ async def test_a_workspace_over_the_tasks_storage_is_sandbox_error(images, tmp_p
 
 async def test_emergency_stop_removes_the_live_containers_at_once(images, tmp_path):
     """What a second Ctrl-C runs: synchronous (the event loop is abandoned), so nothing is left running."""
-    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work"), network="host"))
+    backend = DockerBackend(DockerSettings(**OFFLINE, network="host"), common=SandboxCommon(workdir=str(tmp_path / "work")))
     await backend.start()
     task = stand_in(tmp_path, "forever", "sleep 300\n")
     async with anyio.create_task_group() as tg:
@@ -179,7 +178,7 @@ async def test_start_removes_the_workspaces_a_crash_of_the_run_left(images, tmp_
     left = rollout_dir(str(work), run, "g00001-r0")
     (left / "app").mkdir()
     other = rollout_dir(str(work), f"{run}-2", "g00001-r0")
-    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(work)), run_id=run)
+    backend = DockerBackend(DockerSettings(**OFFLINE), common=SandboxCommon(workdir=str(work)), run_id=run)
     await backend.start()
     await backend.aclose()
     assert list(work.iterdir()) == [other]
@@ -194,7 +193,7 @@ async def test_a_bind_source_that_is_gone_fails_the_container_instead_of_becomin
 
     from pipeline.rollout.harnesses import BASE_IMAGE
 
-    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work")))
+    backend = DockerBackend(DockerSettings(**OFFLINE), common=SandboxCommon(workdir=str(tmp_path / "work")))
     await backend.start()
     gone = tmp_path / "sock" / "proxy.sock"
     present = tmp_path / "present"
@@ -231,8 +230,7 @@ async def test_the_verifier_runs_in_a_fresh_container_that_nothing_of_the_harnes
         "ls /tmp > /app/verifier_tmp\n"
         "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' > /app/verifier_procs\n"
         "echo 1 > /logs/verifier/reward.txt\n")
-    backend = DockerBackend(DockerSettings(**OFFLINE, workdir=str(tmp_path / "work"), keep_workspaces=True,
-                                           network="host"))
+    backend = DockerBackend(DockerSettings(**OFFLINE, network="host"), common=SandboxCommon(workdir=str(tmp_path / "work"), keep_workspaces=True))
     await backend.start()
     try:
         fin = await backend.run(request(task), task, proxy_url="http://127.0.0.1:9")

@@ -20,6 +20,7 @@ from pipeline.core.runtime import _EMERGENCY, emergency_stop
 from pipeline.messages import RolloutRequest
 from pipeline.rollout.harnesses import HARNESSES, find_binary
 from pipeline.rollout.sandbox import LocalBackend, LocalSettings, local
+from pipeline.rollout.sandbox.base import SandboxCommon
 from pipeline.rollout.sandbox.local import MARKER_RUN
 from pipeline.rollout.sandbox.util import rollout_dir
 from pipeline.rollout.scheduling import oracle_script
@@ -56,7 +57,7 @@ def leftovers(b: LocalBackend) -> list[int]:
 
 @pytest.mark.parametrize("family", family_names())
 async def test_oracle_scores_one_untouched_zero(tmp_path, family):
-    b = LocalBackend(LocalSettings(workdir=str(tmp_path / "work")))
+    b = LocalBackend(LocalSettings(), common=SandboxCommon(workdir=str(tmp_path / "work")))
     await b.start()
     task = materialize(generate(family, 1), tmp_path / "task")
     ok = await b.run(request("oracle", task), task, proxy_url="http://127.0.0.1:9")
@@ -115,7 +116,7 @@ async def test_harness_output_swapped_for_a_link_is_not_followed(tmp_path, keep)
     secret = tmp_path / "host-secret.txt"
     secret.write_text("HOST-SECRET")
     task = variant(tmp_path, "swap", solve=f'echo visible\nln -sf {secret} "$BRIDLE_WORKSPACE/../logs/harness.txt"\nexit 3')
-    b = LocalBackend(LocalSettings(keep_workspaces=keep, workdir=str(tmp_path / "work")))
+    b = LocalBackend(LocalSettings(), common=SandboxCommon(keep_workspaces=keep, workdir=str(tmp_path / "work")))
     fin = await b.run(request("oracle", task), task, proxy_url="http://127.0.0.1:9")
     assert fin.status == "harness_error" and "HOST-SECRET" not in fin.details, fin.details
     assert secret.read_text() == "HOST-SECRET"
@@ -138,7 +139,7 @@ async def test_unknown_harness_is_sandbox_error(tmp_path):
 
 async def test_rlimits_and_kept_workspace(tmp_path):
     task = variant(tmp_path, "limits", solve='ulimit -n > "$BRIDLE_WORKSPACE/nofile"; ulimit -c > "$BRIDLE_WORKSPACE/core"')
-    b = LocalBackend(LocalSettings(workdir=str(tmp_path / "work"), keep_workspaces=True, open_files=123))
+    b = LocalBackend(LocalSettings(open_files=123), common=SandboxCommon(workdir=str(tmp_path / "work"), keep_workspaces=True))
     fin = await b.run(request("oracle", task), task, proxy_url="http://127.0.0.1:9")
     assert fin.status == "ok"
     (kept,) = (tmp_path / "work").iterdir()
@@ -149,7 +150,7 @@ async def test_rlimits_and_kept_workspace(tmp_path):
 
 async def test_cancellation_kills_and_cleans(tmp_path):
     task = variant(tmp_path, "forever", solve="setsid sleep 300 &\nsleep 300")
-    b = LocalBackend(LocalSettings(workdir=str(tmp_path / "work")))
+    b = LocalBackend(LocalSettings(), common=SandboxCommon(workdir=str(tmp_path / "work")))
     started = anyio.Event()
 
     async def watch():
@@ -175,7 +176,7 @@ async def test_start_reaps_a_crashed_runs_processes_and_workspaces(tmp_path):
     mine = [rollout_dir(str(work), run, rid) for rid in ("g00001-r0", "g00002-a1-r3")]
     (mine[0] / "app" / "deep").mkdir(parents=True)
     other = rollout_dir(str(work), f"{run}-2", "g00001-r0")
-    b = LocalBackend(LocalSettings(workdir=str(work)), run_id=run)
+    b = LocalBackend(LocalSettings(), common=SandboxCommon(workdir=str(work)), run_id=run)
     # a verifier's folder in the temp dir (its tests and HOME), as a kill -9 mid-verification leaves it
     verifying = tempfile.mkdtemp(prefix=b._verify_prefix)
     others_verifier = tempfile.mkdtemp(prefix=LocalBackend(LocalSettings(), run_id=f"{run}-2")._verify_prefix)
@@ -193,7 +194,7 @@ async def test_emergency_stop_kills_every_harness_and_removes_the_workspaces(tmp
     """What a second Ctrl-C runs (pipeline.core.runtime.emergency_stop): synchronous, with the event loop
     abandoned, so the harnesses (in sessions of their own) do not outlive bridle."""
     task = variant(tmp_path, "forever", solve="setsid sleep 300 &\nsleep 300")
-    b = LocalBackend(LocalSettings(workdir=str(tmp_path / "work")))
+    b = LocalBackend(LocalSettings(), common=SandboxCommon(workdir=str(tmp_path / "work")))
     await b.start()
     assert b.emergency_stop in _EMERGENCY.values()
     async with anyio.create_task_group() as tg:
@@ -260,7 +261,7 @@ async def test_without_pid_namespaces_the_local_backend_says_at_start_that_it_is
     said = {}
     for works in (False, True):
         monkeypatch.setattr(local, "_pid_namespaces_work", lambda works=works: works)
-        b = LocalBackend(LocalSettings(workdir=str(tmp_path / "work")))
+        b = LocalBackend(LocalSettings(), common=SandboxCommon(workdir=str(tmp_path / "work")))
         with structlog.testing.capture_logs() as lines:
             await b.start()
             await b.aclose()

@@ -20,6 +20,7 @@ import pytest
 from pipeline.messages import CallFailed, ModelCall, ids
 from pipeline.rollout.harness_space import HarnessConfig, offered_tools, training_configs
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings
+from pipeline.rollout.sandbox.base import SandboxCommon
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import materialize
 from pipeline.tokens.tokenizer import QwenTokenizer
@@ -36,8 +37,8 @@ WRAPPERS = {1: "[sandbox-runner] job", 2: "--- execution metadata ---"}  # O1, O
 
 def run_all(tmp: Path) -> tuple[dict[str, Outcome], DockerBackend]:
     task = materialize(generate("create_file", 7), tmp / "task")
-    settings = DockerSettings(**OFFLINE, workdir=str(tmp / "work"), keep_workspaces=True, whitebox_args=HARNESS_ARGS)
-    backend = DockerBackend(settings)
+    common = SandboxCommon(workdir=str(tmp / "work"), keep_workspaces=True, whitebox_args=HARNESS_ARGS)
+    backend = DockerBackend(DockerSettings(**OFFLINE), common)
     outcomes: dict[str, Outcome] = {}
 
     async def main() -> None:

@@ -14,6 +14,7 @@ import pytest
 from pipeline.messages import CallFailed, ModelCall
 from pipeline.rollout.harness_space import HarnessConfig, all_configs
 from pipeline.rollout.sandbox import LocalBackend, LocalSettings
+from pipeline.rollout.sandbox.base import SandboxCommon
 from pipeline.rollout.taskgen import generate
 from pipeline.rollout.tasks import materialize
 from tests.helpers.proxyutil import running_proxy
@@ -27,11 +28,11 @@ CONFIGS = all_configs()
 
 def run_all(tmp: Path) -> dict[str, Outcome]:
     task = materialize(generate("create_file", 7), tmp / "task")
-    settings = LocalSettings(workdir=str(tmp / "work"), keep_workspaces=True, whitebox_args=HARNESS_ARGS)
+    common = SandboxCommon(workdir=str(tmp / "work"), keep_workspaces=True, whitebox_args=HARNESS_ARGS)
     outcomes: dict[str, Outcome] = {}
 
     async def main() -> None:
-        backend = LocalBackend(settings)
+        backend = LocalBackend(LocalSettings(), common)
         await backend.start()
         limiter = anyio.CapacityLimiter(CONCURRENCY)
         async with running_proxy() as (proxy, records, _):

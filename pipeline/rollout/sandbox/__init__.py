@@ -17,7 +17,7 @@ backends implement only its hooks:
   from the task's image (:mod:`~pipeline.rollout.sandbox.docker_verify`).
 """
 
-from pipeline.rollout.sandbox.base import CLEANUP_TIMEOUT_S, SandboxBackend
+from pipeline.rollout.sandbox.base import CLEANUP_TIMEOUT_S, SandboxBackend, SandboxCommon
 from pipeline.rollout.sandbox.docker import CONTAINER_SOCKET, LABEL, DockerBackend, DockerSettings
 from pipeline.rollout.sandbox.local import MARKER_ID, MARKER_RUN, LocalBackend, LocalSettings, kill_marked
 from pipeline.rollout.sandbox.util import TAIL_CHARS
@@ -34,5 +34,6 @@ __all__ = [
     "LocalBackend",
     "LocalSettings",
     "SandboxBackend",
+    "SandboxCommon",
     "kill_marked",
 ]

@@ -45,7 +45,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 import anyio
+import msgspec
 
+from pipeline.core.config import PosInt, Section
 from pipeline.core.logs import get_logger
 from pipeline.messages import RolloutFinished, RolloutRequest, RolloutStatus, RolloutTimings
 from pipeline.rollout.harnesses import Harness, Launch, sandbox_harness
@@ -56,6 +58,19 @@ from pipeline.rollout.tasks import Task
 log = get_logger(component="sandbox")
 
 CLEANUP_TIMEOUT_S = 30.0
+
+
+class SandboxCommon(Section):
+    """What every backend reads: how the harness runs and what is kept of a rollout (``[sandbox]``'s own fields;
+    the backends' tables hold only what is theirs)."""
+
+    max_turns: PosInt = 30  # the harness's own turn limit, passed on its command line
+    model: str = "policy"  # the model name the harness is told to use (the proxy serves every name)
+    whitebox_args: list[str] = msgspec.field(default_factory=list)  # extra white-box harness flags
+    workdir: str = ""  # where per-rollout folders go (Docker: bind-mounted; default: the system temp dir)
+    # keep each rollout's folder: app/, home/ (the harness's HOME, with its transcript; in Docker a bind mount
+    # instead of a tmpfs), tests/, logs/
+    keep_workspaces: bool = False
 
 
 class SandboxError(Exception):
@@ -267,9 +282,7 @@ class SandboxBackend(ABC, Generic[S]):
     def _output_note(self, box: S) -> str:
         if self.keep_workspaces and box.root is not None:
             return f" (its output: logs/{HARNESS_OUTPUT} in the kept rollout folder {box.root.name})"
-        # the Ray backend's sandboxes are Docker's, and so are its settings
-        table = "local" if self.kind == "local" else "docker"
-        return f" (its output is kept with [sandbox.{table}] keep_workspaces = true)"
+        return " (its output is kept with [sandbox] keep_workspaces = true)"
 
 
 def judged(req: RolloutRequest) -> bool:

@@ -50,10 +50,6 @@ class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     images: dict[str, str] = msgspec.field(default_factory=dict)  # harness name -> image its payload comes from
     verifier_image: str = ""  # default: the task's image
     forward_port: int = 8080  # the forwarder's port on the container's loopback
-    workdir: str = ""  # host folder for per-rollout directories (bind-mounted; default: the system temp dir)
-    # Keep each rollout's directory: app/, home/ (the harness's HOME, then bind-mounted instead of a tmpfs, with
-    # its transcript), tests/, logs/.
-    keep_workspaces: bool = False
     # The harness's numeric "uid:gid", never root. Default: 65534:65534 (nobody) when bridle runs as root, else
     # bridle's own uid and gid (a non-root bridle cannot give the workspace to another uid).
     user: str = ""
@@ -63,9 +59,6 @@ class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tmp_size: str = "512m"  # the /tmp tmpfs (and each Harness.writable folder); RAM, counted within `memory`
     home_size: str = "512m"  # the HOME tmpfs; RAM, counted within `memory`
     storage_check_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # how often the workspace is measured meanwhile
-    max_turns: int = 30
-    model: str = "policy"
-    whitebox_args: list[str] = msgspec.field(default_factory=list)  # extra white-box harness flags
     docker_url: str = ""  # default: DOCKER_HOST, then the local socket
     api_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0  # any one Docker API call
 

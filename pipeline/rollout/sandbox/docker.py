@@ -41,6 +41,7 @@ from pipeline.rollout.sandbox.base import (
     CLEANUP_TIMEOUT_S,
     HarnessExit,
     SandboxBackend,
+    SandboxCommon,
     SandboxError,
     Verdict,
 )
@@ -92,10 +93,12 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
     # removes only containers whose owning process is gone, never its siblings' live ones or their workspaces.
     sole_owner = True
 
-    def __init__(self, settings: DockerSettings | None = None, *, run_id: str = ""):
+    def __init__(self, settings: DockerSettings | None = None, common: SandboxCommon | None = None, *,
+                 run_id: str = ""):
         super().__init__(run_id=run_id)
         self.settings = settings or DockerSettings()
-        self.keep_workspaces = self.settings.keep_workspaces
+        self.common = common or SandboxCommon()
+        self.keep_workspaces = self.common.keep_workspaces
         self.memory_limit = self.settings.memory
         self.memory_bytes = parse_size(self.settings.memory, "memory")
         s = self.settings
@@ -145,17 +148,17 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
             if mine or orphan:
                 await self._remove(c.id)
                 n += 1
-        dirs = 0 if self.settings.keep_workspaces or not self.sole_owner else await self._remove_run_dirs()
+        dirs = 0 if self.common.keep_workspaces or not self.sole_owner else await self._remove_run_dirs()
         if n or dirs:
             log.warning("reaped_leftovers", run=self.run_id, containers=n, workspaces=dirs)
         return n
 
     async def _remove_run_dirs(self) -> int:
         if os.geteuid() != 0:  # the verifier's root may have written there
-            where = Path(self.settings.workdir or tempfile.gettempdir())
+            where = Path(self.common.workdir or tempfile.gettempdir())
             for d in await anyio.to_thread.run_sync(lambda: list(where.glob(f"{run_prefix(self.run_id)}*"))):
                 await self._chown_back(d, self._labels_for("", "cleanup"))
-        return await anyio.to_thread.run_sync(remove_run_dirs, self.settings.workdir, self.run_id)
+        return await anyio.to_thread.run_sync(remove_run_dirs, self.common.workdir, self.run_id)
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -171,8 +174,8 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
         """Synchronously, for a process that exits without cleanup (a second Ctrl-C): remove this run's live
         containers with the docker CLI (the event loop will not run again), then the rollout directories."""
         remove_containers_now(sorted(self._live), self.settings.docker_url)
-        if not self.settings.keep_workspaces and self.sole_owner:
-            remove_run_dirs(self.settings.workdir, self.run_id)
+        if not self.common.keep_workspaces and self.sole_owner:
+            remove_run_dirs(self.common.workdir, self.run_id)
 
     # ------------------------------------------------------------------------------------------ helpers
     def _labels(self, req: RolloutRequest, role: str) -> dict[str, str]:
@@ -212,7 +215,8 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
         forward = s.network != "host" and (h.uses_proxy or image.python3)
         box.task_limits = limits = self._task_notes(box)
         storage = parse_size(task.config.environment.storage, f"{task.root / 'task.toml'}: [environment] storage")
-        box.root = root = rollout_dir(s.workdir, self.run_id, box.req.rollout_id)
+        c = self.common
+        box.root = root = rollout_dir(c.workdir, self.run_id, box.req.rollout_id)
         ws, wd = root / "app", image.workdir
         shutil.copytree(image.workspace, ws, symlinks=True)
         if image.seed:
@@ -222,17 +226,17 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
         if h.needs_solution:
             shutil.copytree(task.root / "solution", root / "solution", symlinks=True)
             binds.append(f"{root / 'solution'}:/solution:ro")
-        if s.keep_workspaces:  # HOME on the host, with the transcript in it, instead of a tmpfs
+        if c.keep_workspaces:  # HOME on the host, with the transcript in it, instead of a tmpfs
             (root / "home").mkdir(mode=0o700)
             binds.append(f"{root / 'home'}:{CONTAINER_HOME}")
             box.limits.append((root / "home", self.home_bytes, f"the harness's HOME ({CONTAINER_HOME})"))
         binds.append(f"{payload}:{PAYLOAD_MOUNT}:ro")
         base_url = box.proxy_url.rstrip("/") if s.network == "host" else f"http://127.0.0.1:{s.forward_port}"
         ctx = LaunchContext(workspace=wd, home=CONTAINER_HOME, base_url=base_url, token=box.req.token,
-                            instruction=task.instruction, model=s.model, max_turns=s.max_turns,
+                            instruction=task.instruction, model=c.model, max_turns=c.max_turns,
                             binary=PAYLOAD_MOUNT + h.container_binary if h.container_binary else "",
                             node=PAYLOAD_MOUNT + h.container_node if h.container_node else "", python="python3",
-                            solution_dir="/solution" if h.needs_solution else "", whitebox_args=list(s.whitebox_args))
+                            solution_dir="/solution" if h.needs_solution else "", whitebox_args=list(c.whitebox_args))
         box.launch = launch = h.launch(ctx, box.variant)
         cmd = launch.argv
         if forward:
@@ -255,7 +259,7 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
             "WorkingDir": wd,
             "Labels": self._labels(box.req, "harness"),
             "HostConfig": {**self._host_config(binds, s.network, limits), **harness_host_config(
-                user=self.user, home="" if s.keep_workspaces else CONTAINER_HOME, writable=h.writable,
+                user=self.user, home="" if c.keep_workspaces else CONTAINER_HOME, writable=h.writable,
                 tmp_bytes=self.tmp_bytes, home_bytes=self.home_bytes, open_files=s.open_files,
                 file_bytes=min(self.file_bytes, box.limits[0][1]))},
         }
@@ -328,7 +332,7 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
         for c in box.containers:
             await self._remove(c.id)
             self._killed.discard(c.id)
-        if box.root is not None and not self.settings.keep_workspaces:
+        if box.root is not None and not self.common.keep_workspaces:
             if os.geteuid() != 0:
                 await self._chown_back(box.root, self._labels(box.req, "cleanup"))
             await anyio.to_thread.run_sync(rmtree, box.root)

@@ -39,6 +39,7 @@ from pipeline.rollout.sandbox.base import (
     HarnessExit,
     Sandbox,
     SandboxBackend,
+    SandboxCommon,
     SandboxError,
     Verdict,
     VerifierError,
@@ -64,18 +65,13 @@ MARKER_ID = "BRIDLE_SANDBOX_ID"  # environment marker: which sandbox it belongs 
 class LocalSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The local backend. Limits are POSIX rlimits on the harness process (inherited by its children)."""
 
-    workdir: str = ""  # where per-rollout directories go (default: the system temp dir)
-    keep_workspaces: bool = False  # keep each rollout's directory (workspace, home, logs) for inspection
     cpu_seconds: Annotated[int, msgspec.Meta(ge=1)] | None = None  # RLIMIT_CPU per process
     # RLIMIT_AS per process. Off by default: Node- and Bun-based harnesses reserve far more address space than
     # they use and fail to start under a small limit.
     memory: str | None = None
     file_size: str | None = "2g"  # RLIMIT_FSIZE: the largest file a harness may write
     open_files: int | None = 4096  # RLIMIT_NOFILE
-    max_turns: int = 30
-    model: str = "policy"
     harness_bin: str = ""  # folder with the harness executables (default: $BRIDLE_HARNESS_BIN, then PATH)
-    whitebox_args: list[str] = msgspec.field(default_factory=list)  # extra white-box harness flags
 
 
     def problem(self, where: str) -> str:
@@ -135,11 +131,13 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
     kind = "local"
     sandbox_type = LocalSandbox
 
-    def __init__(self, settings: LocalSettings | None = None, *, run_id: str = ""):
+    def __init__(self, settings: LocalSettings | None = None, common: SandboxCommon | None = None, *,
+                 run_id: str = ""):
         super().__init__(run_id=run_id)
         self.settings = s = settings or LocalSettings()
+        self.common = common or SandboxCommon()
         self.memory_limit = s.memory
-        self.keep_workspaces = s.keep_workspaces
+        self.keep_workspaces = self.common.keep_workspaces
         self._limits: dict[str, int] = {}
         for name, value in (
             ("RLIMIT_CPU", s.cpu_seconds),
@@ -160,7 +158,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         a hard exit (a second Ctrl-C) does the same (:meth:`emergency_stop`)."""
         n = kill_marked(f"{MARKER_RUN}={self.run_id}")
         dirs = len(remove_prefixed(tempfile.gettempdir(), self._verify_prefix))  # verifiers a kill -9 interrupted
-        dirs += 0 if self.settings.keep_workspaces else remove_run_dirs(self.settings.workdir, self.run_id)
+        dirs += 0 if self.common.keep_workspaces else remove_run_dirs(self.common.workdir, self.run_id)
         if n or dirs:
             log.warning("reaped_leftovers", run=self.run_id, processes=n, workspaces=dirs)
         self._pid_namespace = await anyio.to_thread.run_sync(_pid_namespaces_work)
@@ -179,8 +177,8 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         """Synchronously, for a process that exits without cleanup: kill every harness of this run (their own
         sessions would outlive us) and remove the rollout directories."""
         kill_marked(f"{MARKER_RUN}={self.run_id}")
-        if not self.settings.keep_workspaces:
-            remove_run_dirs(self.settings.workdir, self.run_id)
+        if not self.common.keep_workspaces:
+            remove_run_dirs(self.common.workdir, self.run_id)
 
     @property
     def _verify_prefix(self) -> str:
@@ -200,9 +198,9 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         await anyio.to_thread.run_sync(self._lay_out, box)
 
     def _lay_out(self, box: LocalSandbox) -> None:
-        s, h, task = self.settings, box.harness, box.task
+        c, h, task = self.common, box.harness, box.task
         box.sandbox_id = f"{self.run_id}.{uuid.uuid4().hex[:8]}"
-        box.root = root = rollout_dir(s.workdir, self.run_id, box.req.rollout_id)
+        box.root = root = rollout_dir(c.workdir, self.run_id, box.req.rollout_id)
         ws, home, logs = root / "app", root / "home", root / "logs"
         seed_workspace(task, ws)
         home.mkdir()
@@ -221,8 +219,8 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
                     "BRIDLE_HARNESS_BIN or LocalSettings.harness_bin to the node_modules/.bin folder"
                 )
         ctx = LaunchContext(workspace=str(ws), home=str(home), base_url=box.proxy_url.rstrip("/"),
-                            token=box.req.token, instruction=task.instruction, model=s.model, max_turns=s.max_turns,
-                            binary=binary, solution_dir=solution, whitebox_args=list(s.whitebox_args))
+                            token=box.req.token, instruction=task.instruction, model=c.model, max_turns=c.max_turns,
+                            binary=binary, solution_dir=solution, whitebox_args=list(c.whitebox_args))
         box.launch = h.launch(ctx, box.variant)
         _write_files(box.launch)
 
@@ -264,7 +262,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         if box.proc is not None and box.proc.returncode is None:
             await self._kill(box)
         self._live.discard(box.sandbox_id)
-        await anyio.to_thread.run_sync(keep_or_remove, box.root, self.settings.keep_workspaces)
+        await anyio.to_thread.run_sync(keep_or_remove, box.root, self.common.keep_workspaces)
 
     async def _kill(self, box: LocalSandbox) -> None:
         """SIGKILL the harness's PID namespace, its process group, then whatever left it, and reap the harness."""

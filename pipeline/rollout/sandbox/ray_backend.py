@@ -51,7 +51,14 @@ from pipeline.core.runfiles import remove_tree, safe_name
 from pipeline.core.runtime import run_main
 from pipeline.messages import RolloutFinished, RolloutRequest
 from pipeline.rollout.judge import Judge, JudgeError, take_snapshot
-from pipeline.rollout.sandbox.base import Verdict, VerifierError, harness_limit, judged, judged_verdict
+from pipeline.rollout.sandbox.base import (
+    SandboxCommon,
+    Verdict,
+    VerifierError,
+    harness_limit,
+    judged,
+    judged_verdict,
+)
 from pipeline.rollout.sandbox.container import DockerSandbox, DockerSettings
 from pipeline.rollout.sandbox.docker import DockerBackend
 from pipeline.rollout.tasks import Task, TaskError, load_task
@@ -79,7 +86,7 @@ class RaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "0.0.0.0") replaced by this machine's address in the cluster.
     proxy_address: str = ""
     relay_dir: str = ""  # node-local folder for the relays' sockets (default: each node's temp dir)
-    workspaces: str = ""  # where kept workspaces come back to here (default: [sandbox.docker] workdir, else temp)
+    workspaces: str = ""  # where kept workspaces come back to here (default: [sandbox] workdir, else temp)
     connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # ray.init, a relay's start
     # A rollout's task may take its harness limit plus this (image builds, the verifier, transfers), then it is
     # cancelled and the rollout is a sandbox_error.
@@ -119,6 +126,7 @@ class NodeJob(msgspec.Struct, kw_only=True):
 
     request: RolloutRequest
     docker: DockerSettings
+    common: SandboxCommon
     run_id: str
     relay_dir: str
     proxy_port: int  # the proxy (worker) the rollout talks to: which of its node's relay sockets it gets
@@ -293,7 +301,7 @@ async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeR
                                               job.task_cache_idle_s)
     except (OSError, tarfile.TarError, TaskError) as e:
         return failed(f"could not unpack the task: {e}")
-    backend = _NodeDocker(job.docker, run_id=job.run_id)
+    backend = _NodeDocker(job.docker, job.common, run_id=job.run_id)
     backend.node_id = node_id
     backend.snapshot_spec = job.snapshot
     try:
@@ -308,7 +316,7 @@ async def _run_on_node(job: NodeJob, task_archive: bytes, node_id: str) -> NodeR
     finally:
         await backend.aclose()
     out = NodeResult(finished=fin, node_id=node_id, snapshot=backend.snapshot, snapshot_error=backend.snapshot_error)
-    if job.docker.keep_workspaces and backend.root is not None:
+    if job.common.keep_workspaces and backend.root is not None:
         out.workspace_name = backend.root.name
         try:
             out.workspace = await anyio.to_thread.run_sync(_tar, backend.root)
@@ -367,8 +375,10 @@ class RayBackend:
     kind = "ray"
     judge: Judge | None = None  # the rubric judge, asked here with the snapshot the node sends (module docstring)
 
-    def __init__(self, settings: RaySettings, docker: DockerSettings, *, run_id: str):
+    def __init__(self, settings: RaySettings, docker: DockerSettings, common: SandboxCommon | None = None, *,
+                 run_id: str):
         self.settings, self.docker, self.run_id = settings, docker, run_id
+        self.common = common or SandboxCommon()
         self._remote: Any = None
         self._owns_ray = False
         self._relays: dict[str, Any] = {}  # node id -> its Relay actor
@@ -444,7 +454,7 @@ class RayBackend:
             js = self.judge.settings
             spec = SnapshotSpec(max_chars=js.max_workspace_chars, max_file_chars=js.max_file_chars,
                                 timeout_s=js.timeout_s)
-        job = NodeJob(request=req, docker=self.docker, run_id=self.run_id, relay_dir=self.settings.relay_dir,
+        job = NodeJob(request=req, docker=self.docker, common=self.common, run_id=self.run_id, relay_dir=self.settings.relay_dir,
                       proxy_port=port, task_hash=digest, task_name=task.root.name,
                       task_cache_idle_s=self.settings.task_cache_idle_s, snapshot=spec)
         s = self.settings
@@ -500,7 +510,7 @@ class RayBackend:
                                details=f"the sandbox's node was lost: {why}")
 
     def _unpack_workspace(self, out: NodeResult) -> None:
-        where = Path(self.settings.workspaces or self.docker.workdir or tempfile.gettempdir())
+        where = Path(self.settings.workspaces or self.common.workdir or tempfile.gettempdir())
         dest = where / out.workspace_name
         dest.mkdir(parents=True)
         with tarfile.open(fileobj=io.BytesIO(out.workspace)) as tar:
