@@ -98,6 +98,15 @@ class ProxyEndpoint(msgspec.Struct, kw_only=True, omit_defaults=True):
 TOKEN_PREFIX = "bridle-"
 
 
+def sampling_seed(seed: int, rollout_id: str) -> int:
+    """A rollout's sampling seed (31 bits, as engines take it): the run's seed and the rollout's id, hashed, so two
+    runs with one seed sample alike and every rollout of a group samples differently. The proxy adds each call's
+    sequence number."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{seed}/{rollout_id}".encode()).digest()[:4], "little") >> 1
+
+
 def rollout_token() -> str:
     """A rollout's secret for the proxy: 192 random bits (``secrets``), URL-safe, named as bridle's."""
     import secrets

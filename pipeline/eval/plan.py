@@ -24,7 +24,14 @@ import msgspec
 
 from pipeline.core.config import ConfigError, NonNegInt, PosFloat, PosInt, Section
 from pipeline.eval.report import Column
-from pipeline.messages import EvalTag, RolloutRequest, SamplingParams, SettledRollout, rollout_token
+from pipeline.messages import (
+    EvalTag,
+    RolloutRequest,
+    SamplingParams,
+    SettledRollout,
+    rollout_token,
+    sampling_seed,
+)
 from pipeline.rollout.harness_space import HarnessConfig, Space, design
 from pipeline.rollout.scheduling import TaskSource
 from pipeline.rollout.tasks import Task
@@ -187,7 +194,8 @@ class Round:
             out += [RolloutRequest(
                 rollout_id=f"{gid}-r{i}", group_id=gid, index=i, group_size=s.samples, task_id=task.id,
                 harness=harness, token=rollout_token(), policy_version=self.version,
-                sampling=sampling, timeout_s=s.timeout_s, purpose="eval", task_path=task.path, eval=tag,
+                sampling=msgspec.structs.replace(sampling, seed=sampling_seed(s.seed, f"{gid}-r{i}")),
+                timeout_s=s.timeout_s, purpose="eval", task_path=task.path, eval=tag,
             ) for i in range(s.samples)]
             self.in_flight[gid] = s.samples
             self.issued += 1

@@ -28,7 +28,7 @@ import msgspec
 
 from pipeline.core.config import NonNegFloat, NonNegInt, PosFloat, PosInt, Section
 from pipeline.core.recordings import Recordings
-from pipeline.messages import RolloutRequest, SamplingParams, rollout_token
+from pipeline.messages import RolloutRequest, SamplingParams, rollout_token, sampling_seed
 from pipeline.rollout import demonstrations
 from pipeline.rollout.harness_space import AssignmentRule, Space, assign, design
 from pipeline.rollout.harnesses import HARNESSES, harness_for, harness_problem
@@ -445,11 +445,12 @@ def rollout_requests(issue: Issue, settings: SchedulerSettings, version: int) ->
     script = oracle_script(issue.assignment.task, issue.assignment.harness) if issue.purpose == "sft" else []
     cap = settings.sft_max_new_tokens if issue.purpose == "sft" else settings.max_new_tokens
     sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                              max_new_tokens=cap, seed=None)
+                              max_new_tokens=cap)
     a = issue.assignment
     return [RolloutRequest(
         rollout_id=f"{issue.group_id}-r{i}", group_id=issue.group_id, index=i, group_size=issue.size,
         task_id=a.task.id, harness=a.harness, token=rollout_token(), policy_version=version,
-        sampling=sampling, timeout_s=settings.timeout_s, purpose=issue.purpose, task_path=a.task.path,
+        sampling=msgspec.structs.replace(sampling, seed=sampling_seed(settings.seed, f"{issue.group_id}-r{i}")),
+        timeout_s=settings.timeout_s, purpose=issue.purpose, task_path=a.task.path,
         script=script, demonstrations=issue.demonstrations, resample=issue.resample,
     ) for i in range(issue.size)]

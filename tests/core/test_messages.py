@@ -88,3 +88,11 @@ def test_arrays_are_compact_and_exact():
 
 def test_tag_is_the_class_name():
     assert msgspec.json.decode(msgspec.json.encode(sample(m.PolicyUpdated)))["type"] == "PolicyUpdated"
+
+
+def test_sampling_seeds_are_stable_distinct_and_engine_sized():
+    from pipeline.messages import sampling_seed
+
+    seeds = [sampling_seed(0, f"g00000-r{i}") for i in range(64)]
+    assert len(set(seeds)) == 64 and all(0 <= s < 2**31 for s in seeds)
+    assert sampling_seed(0, "g00000-r0") == seeds[0] != sampling_seed(1, "g00000-r0")
