@@ -1,7 +1,7 @@
 """Learner actor: receives TreeGroups, runs the optimizer off the event loop, publishes weights.
 
 Inbox: TreeGroup and GroupDropped (demonstration packs for the cold start, training groups for RL steps);
-EngineReady (the engine workers, for ``weight_sync = "distributed"``). Outputs: ``updates`` (PolicyUpdated: to the
+EngineReady (the engine servers, for ``weight_sync = "distributed"``). Outputs: ``updates`` (PolicyUpdated: to the
 proxy, which loads the weights into the engine unless they were pushed over the weight update group, and to the
 scheduler), ``metrics``. When to train and what is a step: :mod:`pipeline.training.loop`; the optimizer:
 :mod:`pipeline.training.learner`; whether a step could learn (its counts, and the warning it logs and sends with its
@@ -42,10 +42,10 @@ from pipeline.serving.engine import EngineError
 from pipeline.serving.weight_sync import WeightPusher
 from pipeline.training import advantages as adv
 from pipeline.training.health import assess
-from pipeline.training.learner_config import LearnerConfig
 from pipeline.training.loop import ColdStartReady, LearnerLoop, Resample, StepReady, sft_plan
 from pipeline.training.policy import load_policy
 from pipeline.training.ranks import InProcess, Ranks, start_ranks
+from pipeline.training.stage import StageSettings
 
 
 class Announcement(msgspec.Struct):
@@ -76,12 +76,12 @@ class LearnerSettings(Section):
     # engine and the harnesses, idle OpenMP workers spin and take cores from the rollouts: the quickstart uses 1.
     threads: NonNegInt = 0
     # How new weights reach the engine (docs/serving.md, "Weight sync"). "disk": written to runs/<run>/weights, the
-    # proxy has the engine load the folder. "distributed": broadcast to the engine workers over a torch.distributed
+    # proxy has the engine load the folder. "distributed": broadcast to the engine servers over a torch.distributed
     # group (nccl on GPUs, gloo on CPUs), nothing written; needs the edge "<proxy>.engines -> <learner>". Whatever
     # fails there (the group's set-up, an update) falls back to "disk" for the rest of the run; checkpoints and the
     # cold start's weights are written in any case.
     weight_sync: Literal["disk", "distributed"] = "disk"
-    sync_host: str = "127.0.0.1"  # the address the engine workers reach the learner's rank 0 at
+    sync_host: str = "127.0.0.1"  # the address the engine servers reach the learner's rank 0 at
     sync_port: Port = 0  # its rendezvous port (0: a free one)
     sync_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl when this process has a GPU, else gloo
     # the group's rendezvous, and each broadcast, fail after this; an SGLang server applies an update only once its
@@ -93,10 +93,10 @@ class LearnerSettings(Section):
     gpus: str = ""  # CUDA device ids of the ranks ("0,1"); empty: every visible one. Without CUDA: the CPU
     fsdp: bool = False  # shard parameters, gradients and optimizer state over the ranks (Accelerate's FSDP plugin)
     rank_timeout_s: PosFloat = 1800.0  # longest a rank may take for one command (a step, a save) before the run fails
-    train: LearnerConfig = msgspec.field(default_factory=LearnerConfig)  # the RL stage
+    train: StageSettings = msgspec.field(default_factory=StageSettings)  # the RL stage
     # The SFT stage has its own optimizer (and usually a larger learning rate); RL then starts from the SFT
     # weights with a fresh optimizer, so no SFT momentum leaks into the policy-gradient updates.
-    sft: LearnerConfig = msgspec.field(default_factory=lambda: LearnerConfig(lr=1e-3))
+    sft: StageSettings = msgspec.field(default_factory=lambda: StageSettings(lr=1e-3))
     reloadable = frozenset({"checkpoint_every", "keep_weights"})
 
     def check(self, name: str, exp: Any) -> None:
@@ -106,7 +106,7 @@ class LearnerSettings(Section):
             raise ConfigError(f"{exp.source}: [run].model: the learner ([{name}]) needs the policy's HF folder")
         if self.weight_sync == "distributed" and not any(
                 out == "engines" and dst == name for _, out, dst in exp.graph.parsed_edges()):
-            raise ConfigError(f'{exp.source}: [{name}].weight_sync = "distributed" needs the engine workers: add '
+            raise ConfigError(f'{exp.source}: [{name}].weight_sync = "distributed" needs the engine servers: add '
                               f'"<proxy>.engines -> {name}" to [graph].edges (docs/serving.md, "Weight sync")')
         if self.processes == 1 and (self.fsdp or self.gpus):
             what = "fsdp = true" if self.fsdp else f'gpus = "{self.gpus}"'
@@ -132,7 +132,7 @@ class LearnerSettings(Section):
                               f'{self.processes}: the broadcast is sent from this process, which holds no weights '
                               'when the learner runs as ranks; use weight_sync = "disk" with ranks for now')
 
-    def rl_stage(self, run: RunSection) -> LearnerConfig:
+    def rl_stage(self, run: RunSection) -> StageSettings:
         """``[learner.train]`` with what it leaves to ``[run]``: the decay of a linear/cosine schedule spans every
         optimizer step of the run unless ``total_steps`` is set."""
         t = self.train
@@ -351,7 +351,7 @@ class LearnerActor(Actor[LearnerSettings]):
 
     async def _publish(self, step: int, metrics: dict[str, Any], batch: list[TreeGroup] | None, *,
                        save: bool = False, recorded: tuple[str, list[str]] | None = None) -> Path | None:
-        """Push the weights to the engine workers (weight sync without the disk), or save them, and announce them;
+        """Push the weights to the engine servers (weight sync without the disk), or save them, and announce them;
         ``batch``: what this update trained on (None: no update, a resume); ``save``: write them in any case.
         Returns the folder written, None when pushed."""
         assert self.run_dir is not None
@@ -379,7 +379,7 @@ class LearnerActor(Actor[LearnerSettings]):
         c = self.config
         if c.weight_sync != "distributed" or self.pusher is not None:
             return
-        if not msg.workers:
+        if not msg.servers:
             self.log.warning("weight sync: the engine takes weights only from disk; using the disk path")
             return
         backend = c.sync_backend
@@ -387,20 +387,20 @@ class LearnerActor(Actor[LearnerSettings]):
             import torch
 
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        pusher = WeightPusher(msg.workers, host=c.sync_host, port=c.sync_port, backend=backend,
+        pusher = WeightPusher(msg.servers, host=c.sync_host, port=c.sync_port, backend=backend,
                               timeout_s=c.sync_timeout_s)
         try:
             with anyio.fail_after(c.sync_timeout_s + 60):
                 await pusher.join()
         except (EngineError, TimeoutError) as e:
             self.log.error("weight sync: the weight update group could not be set up; using the disk path",
-                           workers=msg.workers, backend=backend, error=str(e) or type(e).__name__)
+                           servers=msg.servers, backend=backend, error=str(e) or type(e).__name__)
             with anyio.CancelScope(shield=True):
                 await pusher.close()
             return
         self.pusher = pusher
-        self.log.info("weight sync: updates go to the engine workers over the weight update group",
-                      workers=msg.workers, backend=backend)
+        self.log.info("weight sync: updates go to the engine servers over the weight update group",
+                      servers=msg.servers, backend=backend)
 
     async def _push(self, version: int, step: int) -> bool:
         """Broadcast the weights to every worker; False (logged, and the group given up) when that failed."""

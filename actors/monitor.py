@@ -27,7 +27,7 @@ from pipeline.monitor.view import Display, LiveView, LogView, open_view
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
-class MonitorConfig(Section):
+class MonitorSettings(Section):
     # auto: a live display on a terminal, progress log lines otherwise; log: progress log lines; off: neither
     # (the log line per RL step and metrics.jsonl stay)
     display: Display = "auto"
@@ -37,8 +37,8 @@ class MonitorConfig(Section):
     reloadable = frozenset({"refresh_s", "progress_s"})
 
 
-class Monitor(Actor[MonitorConfig]):
-    Config = MonitorConfig
+class Monitor(Actor[MonitorSettings]):
+    Config = MonitorSettings
     outputs = ()
 
     view: LiveView | LogView | None = None
@@ -87,7 +87,7 @@ class Monitor(Actor[MonitorConfig]):
                 await self._wake.wait()
             view.tick(self.state, time.time())
 
-    async def on_config(self, new: MonitorConfig, changes: dict[str, Any]) -> None:
+    async def on_config(self, new: MonitorSettings, changes: dict[str, Any]) -> None:
         self.config = new
         if isinstance(self.view, LogView):
             self.view.every_s = new.progress_s

@@ -155,7 +155,7 @@ class ProxyActor(Actor[ProxySettings]):
         """Tell the learner where the engine's workers are (weight sync without the disk)."""
         if self.out["engines"].connected:
             # the scripted engine has no workers: it takes weights only from disk
-            await self.send("engines", EngineReady(workers=list(getattr(engine, "control_urls", [])),
+            await self.send("engines", EngineReady(servers=list(getattr(engine, "control_urls", [])),
                                                    weight_version=self.config.engine.weight_version))
 
     @property

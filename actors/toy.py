@@ -12,16 +12,16 @@ from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, Note
 
 
-class SourceConfig(Section):
+class SourceSettings(Section):
     count: int = 10  # -1: run until stopped
     interval_s: float = 0.0
     reloadable = frozenset({"interval_s"})
 
 
-class Source(Actor[SourceConfig]):
+class Source(Actor[SourceSettings]):
     """Emits Note(seq=i, value=i) for i in 0..count-1, then ends."""
 
-    Config = SourceConfig
+    Config = SourceSettings
     outputs = ("out",)
 
     async def run(self) -> None:
@@ -32,16 +32,16 @@ class Source(Actor[SourceConfig]):
             await anyio.sleep(self.config.interval_s)
 
 
-class ScaleConfig(Section):
+class ScaleSettings(Section):
     factor: float = 2.0
     mode: str = "mul"  # fixed: changing it needs a restart
     reloadable = frozenset({"factor"})
 
 
-class Scale(Actor[ScaleConfig]):
+class Scale(Actor[ScaleSettings]):
     """Multiplies each note's value by ``factor`` (hot-reloadable) and reports the factor it used."""
 
-    Config = ScaleConfig
+    Config = ScaleSettings
     outputs = ("out", "metrics")
 
     async def run(self) -> None:
@@ -52,20 +52,20 @@ class Scale(Actor[ScaleConfig]):
             if self.out["metrics"].connected:
                 await self.send("metrics", Metric(source=self.name, step=msg.seq, values={"factor": self.config.factor}))
 
-    async def on_config(self, new: ScaleConfig, changes: dict[str, Any]) -> None:
+    async def on_config(self, new: ScaleSettings, changes: dict[str, Any]) -> None:
         self.log.info("factor changed", old=self.config.factor, new=new.factor)
         self.config = new
 
 
-class SinkConfig(Section):
+class SinkSettings(Section):
     path: str = ""  # JSON lines of every note received; empty: keep nothing
     fail_at: int = -1  # raise at this seq (to test crash handling)
     delay_s: float = 0.0  # per message, to test back-pressure
     reloadable = frozenset({"delay_s"})
 
 
-class Sink(Actor[SinkConfig]):
-    Config = SinkConfig
+class Sink(Actor[SinkSettings]):
+    Config = SinkSettings
     outputs = ()
 
     async def run(self) -> None:

@@ -175,11 +175,11 @@ def _learner(model, **kw):
     from accelerate.state import AcceleratorState
 
     from pipeline.training.learner import Learner
-    from pipeline.training.learner_config import LearnerConfig
+    from pipeline.training.stage import StageSettings
 
     AcceleratorState._reset_state(reset_partial_state=True)
     kw.setdefault("lr", 1e-3)
-    return Learner(model, LearnerConfig(**kw))
+    return Learner(model, StageSettings(**kw))
 
 
 def _loss_and_grads(model, groups, case: dict[str, Any], attention: str, bf16: bool) -> dict[str, Any]:

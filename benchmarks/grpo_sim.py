@@ -12,7 +12,7 @@ It reproduced the pipeline's behaviour closely enough to choose the quickstart's
 what to expect"); confirm any change with `benchmarks/quickstart_learning.py`.
 
     python benchmarks/grpo_sim.py --run runs/<a quickstart run> [--seeds 0 1 2] [--steps 30] [--groups 8]
-        [--group-size 8] [--set lr=5e-4 --set kl_coef=0.05 ...]   # any [learner.train] (LearnerConfig) field
+        [--group-size 8] [--set lr=5e-4 --set kl_coef=0.05 ...]   # any [learner.train] (StageSettings) field
         [--pool 40]     # train on 40 of the run's RL tasks, one shuffled pass per epoch (as the quickstart does)
         [--eval 40]                                                # sampled-outcome breakdown before and after
 
@@ -54,7 +54,7 @@ from pipeline.models.small import VocabTable, load_vocab_table
 from pipeline.rollout.taskgen import generate
 from pipeline.tokens.render import qwen3_renderer
 from pipeline.training.learner import Learner
-from pipeline.training.learner_config import LearnerConfig
+from pipeline.training.stage import StageSettings
 from pipeline.trees.packing import build_group
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +155,7 @@ def run_seed(args: argparse.Namespace, seed: int, model_path: str, sft: list[Tre
     packs = [compact(g, vocab) for g in sft]
     sft_dir = args.run / "grpo_sim" / f"sft-seed{seed}-{args.sft_steps}"
     if not (sft_dir / "config.json").is_file():
-        lrn = Learner(model_path, LearnerConfig(lr=args.sft_lr, micro_batch_tokens=2048, seed=seed))
+        lrn = Learner(model_path, StageSettings(lr=args.sft_lr, micro_batch_tokens=2048, seed=seed))
         rng = random.Random(seed)
         order: list[TreeGroup] = []
         while len(order) < args.sft_steps:
@@ -166,7 +166,7 @@ def run_seed(args: argparse.Namespace, seed: int, model_path: str, sft: list[Tre
             lrn.sft_step([g])
         lrn.save_weights(sft_dir)
     overrides = {k: tomllib.loads(f"v = {v}")["v"] for k, v in (s.split("=", 1) for s in args.sets)}
-    cfg = msgspec.convert({"micro_batch_tokens": 2048, "seed": seed, **overrides}, LearnerConfig)
+    cfg = msgspec.convert({"micro_batch_tokens": 2048, "seed": seed, **overrides}, StageSettings)
     learner = Learner(str(sft_dir), cfg)
     tasks = sorted(prompts)
     held = tasks[: args.eval]
@@ -226,7 +226,7 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--sft-steps", type=int, default=160)
     ap.add_argument("--sft-lr", type=float, default=1e-3)
-    ap.add_argument("--set", dest="sets", action="append", default=[], help="LearnerConfig field=TOML value")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="StageSettings field=TOML value")
     ap.add_argument("--pool", type=int, default=0,
                     help="train on this many tasks, one shuffled pass per epoch (0: draw from all recorded tasks)")
     ap.add_argument("--eval", type=int, default=0, help="tasks in the before/after outcome breakdown (8 samples)")

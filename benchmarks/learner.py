@@ -44,7 +44,7 @@ import torch
 from pipeline.core.logs import configure
 from pipeline.messages import PackedTree, RolloutSummary, TreeGroup, ids, mask, pack_f32, pack_i32, pack_u8
 from pipeline.training.learner import Learner
-from pipeline.training.learner_config import LearnerConfig
+from pipeline.training.stage import StageSettings
 
 H200_BF16_TFLOPS = 989.0
 
@@ -303,7 +303,7 @@ def main() -> None:
     batches = {name: [msgspec.structs.replace(v[name], group_id=f"{name}-{k}") for k, v in enumerate(variants)]
                for name in names}
     gpu = torch.cuda.is_available() and not small
-    cfg = LearnerConfig(
+    cfg = StageSettings(
         lr=1e-6,
         micro_batch_tokens=budget,
         attention="flex" if gpu else "dense",
@@ -338,7 +338,7 @@ def main() -> None:
 NAN = float("nan")
 
 
-async def measure(args: argparse.Namespace, model_dir: Path, model, cfg: LearnerConfig,
+async def measure(args: argparse.Namespace, model_dir: Path, model, cfg: StageSettings,
                   batches: dict[str, list[TreeGroup]], rank_counts: list[int], gpu: bool
                   ) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], float]]:
     """Seconds per step of each (layout, rank count), ``--rounds`` times: 1 rank in this process (what

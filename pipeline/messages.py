@@ -154,11 +154,12 @@ class ServiceReady(_Msg, kw_only=True):
 
 
 class EngineReady(_Msg, kw_only=True):
-    """Proxy -> Learner: the engine workers serving the policy, once they are up. With ``[learner].weight_sync =
+    """Proxy -> Learner: the engine servers serving the policy, once they are up. With ``[learner].weight_sync =
     "distributed"`` the learner makes them join a process group and broadcasts each update to them
-    (docs/serving.md, "Weight sync"); empty ``workers``: an engine that takes weights only from disk (scripted)."""
+    (docs/serving.md, "Weight sync"); empty ``servers``: an engine that takes weights only from disk (scripted)."""
 
-    workers: list[str]  # each worker's base URL (behind a router: the workers, not the router)
+    # each engine server's base URL (behind a router: the servers, not the router); "workers" on the wire
+    servers: list[str] = msgspec.field(name="workers")
     weight_version: int = 0
 
 
@@ -387,7 +388,7 @@ class GroupDropped(_Msg, kw_only=True):
 class PolicyUpdated(_Msg, kw_only=True):
     """Learner -> Proxy (which loads ``weights_path`` into the engine), Scheduler (staleness accounting).
 
-    ``pushed``: the learner already loaded this version into every engine worker over the weight update group
+    ``pushed``: the learner already loaded this version into every engine server over the weight update group
     (``weights_path`` is then empty: nothing was written). Neither a path nor ``pushed``: the policy is unchanged
     (a step that trained nothing)."""
 

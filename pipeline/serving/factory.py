@@ -44,12 +44,12 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     url: str = ""
     # sglang: the servers behind `url` (they get the weight updates); without `url`, bridle starts sglang-router
     # in front of them ([proxy.engine.router])
-    worker_urls: list[str] = msgspec.field(default_factory=list)
+    server_urls: list[str] = msgspec.field(default_factory=list)
     sglang_args: list[str] = msgspec.field(default_factory=list)  # sglang: extra launch_server arguments
     # embedded: this many engine processes (each its own port and copy of the weights, `threads` each) behind
     # sglang-router ([proxy.engine.router]); weight updates go to every one
     replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
-    router: RouterSettings = msgspec.field(default_factory=RouterSettings)  # embedded replicas, sglang worker_urls
+    router: RouterSettings = msgspec.field(default_factory=RouterSettings)  # embedded replicas, sglang server_urls
     max_running_requests: Annotated[int, msgspec.Meta(ge=1)] = 32  # embedded
     threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # embedded: torch threads per engine (0 = half the cores, shared out among the replicas)
     context_len: Annotated[int, msgspec.Meta(ge=0)] = 0  # embedded: the context length (0: the model's own)
@@ -69,7 +69,7 @@ KIND_FIELDS: dict[str, frozenset[str]] = {
     "scripted": frozenset({"script"}),
     "embedded": frozenset({"replicas", "router", "max_running_requests", "threads", "context_len", "device", "dtype",
                            "prefix_cache_mb", "log_path"}),
-    "sglang": frozenset({"url", "worker_urls", "router", "sglang_args", "log_path"}),
+    "sglang": frozenset({"url", "server_urls", "router", "sglang_args", "log_path"}),
     "openai": frozenset({"url", "served_model", "api_key_env", "request_timeout_s"}),
 }
 
@@ -79,7 +79,7 @@ def engine_problem(s: EngineSettings) -> str:
     cannot have them; "" when nothing is wrong."""
     if s.kind == "sglang" and s.replicas > 1:
         return (f"[engine].replicas = {s.replicas} starts several embedded engines; with kind = 'sglang' list "
-                "running SGLang servers in [engine].worker_urls instead (bridle starts the router in front of them)")
+                "running SGLang servers in [engine].server_urls instead (bridle starts the router in front of them)")
     defaults = EngineSettings()
     for f in msgspec.structs.fields(EngineSettings):
         if f.name in COMMON_FIELDS or f.name in KIND_FIELDS[s.kind] or getattr(s, f.name) == getattr(defaults, f.name):
@@ -166,9 +166,9 @@ def _http_engine(s: EngineSettings, model: str, log_path: Path | None) -> Abstra
             return launch_embedded_fleet(model, s.replicas, s.router, log_path=log_path, **options)
         return launch_embedded(model, log_path=log_path, **options)
     if s.url:
-        return attach(s.url, worker_urls=s.worker_urls or None)
-    if s.worker_urls:
-        return launch_router_over(s.worker_urls, s.router, log_path=log_path)
+        return attach(s.url, worker_urls=s.server_urls or None)
+    if s.server_urls:
+        return launch_router_over(s.server_urls, s.router, log_path=log_path)
     if not model:
         raise ValueError("[run].model: SGLang needs a model path (or [engine].url to attach)")
     return launch_sglang(

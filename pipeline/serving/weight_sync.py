@@ -1,9 +1,9 @@
 """Weight sync without the disk: the torch.distributed side of SGLang's ``/init_weights_update_group`` and
 ``/update_weights_from_distributed`` (docs/serving.md, "Weight sync").
 
-The learner is rank 0 of a process group whose other ranks are the engine workers (worker ``i`` is rank ``1 + i``,
+The learner is rank 0 of a process group whose other ranks are the engine servers (worker ``i`` is rank ``1 + i``,
 its ``rank_offset``; one rank per worker, so SGLang servers with ``tp_size`` 1). An update is a broadcast from
-rank 0 of each tensor, in the order of the ``names`` the workers were sent, while every worker receives into
+rank 0 of each tensor, in the order of the ``names`` the servers were sent, while every server receives into
 tensors of the announced dtypes and shapes. The embedded engine uses the same functions for its side, so the
 path is exercised for real on a CPU (``gloo``); against SGLang on GPUs the backend is ``nccl``.
 
@@ -121,7 +121,7 @@ def receive(group: ProcessGroup, names: Sequence[str], dtypes: Sequence[str], sh
 
 
 class WeightPusher:
-    """The learner's end of weight sync without the disk: rank 0 of the update group, and the engine workers' side
+    """The learner's end of weight sync without the disk: rank 0 of the update group, and the engine servers' side
     of it asked over HTTP (:class:`~pipeline.serving.sglang_client.HttpEngine`'s group calls).
 
     :meth:`join` sets the group up; :meth:`push` sends one update and returns when every worker reports its
@@ -129,11 +129,11 @@ class WeightPusher:
     the group is then of no further use (a broadcast that failed half-way leaves the ranks out of step), so the
     caller :meth:`close`\\ s it and goes on with the disk path."""
 
-    def __init__(self, workers: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, backend: str = "gloo",
+    def __init__(self, servers: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, backend: str = "gloo",
                  timeout_s: float = 300.0, group_name: str = GROUP_NAME) -> None:
         from pipeline.serving.sglang_client import HttpEngine
 
-        self.engine = HttpEngine(workers[0], control_urls=workers, control_timeout_s=timeout_s + 30)
+        self.engine = HttpEngine(servers[0], control_urls=servers, control_timeout_s=timeout_s + 30)
         self.host, self.port, self.backend = host, port, backend
         self.timeout_s, self.group_name = timeout_s, group_name
         self.group: ProcessGroup | None = None
@@ -143,10 +143,10 @@ class WeightPusher:
 
         from pipeline.serving.launch import free_port
 
-        # Both ends of a rendezvous wait for each other (up to timeout_s), so workers that are not there must fail
+        # Both ends of a rendezvous wait for each other (up to timeout_s), so servers that are not there must fail
         # the join at once (a replayed run's EngineReady names engines long gone).
         if not await self.engine.health():
-            raise WeightSyncError(f"the engine workers {self.engine.control_urls} do not all answer /health")
+            raise WeightSyncError(f"the engine servers {self.engine.control_urls} do not all answer /health")
         try:
             port = self.port or free_port(self.host)
         except OSError as e:
@@ -160,7 +160,7 @@ class WeightPusher:
 
         await self.engine.init_weights_update_group(self.host, port, rank0, backend=self.backend,
                                                     group_name=self.group_name)
-        if self.group is None:  # the workers joined and rank 0 did not: cannot happen in one rendezvous
+        if self.group is None:  # the servers joined and rank 0 did not: cannot happen in one rendezvous
             raise WeightSyncError("the learner did not join its own weight update group")
 
     async def push(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
@@ -177,7 +177,7 @@ class WeightPusher:
             group_name=self.group_name)
 
     async def close(self) -> None:
-        """Leave the group on every side (whatever the workers answer) and close the HTTP client."""
+        """Leave the group on every side (whatever the servers answer) and close the HTTP client."""
         import anyio
 
         try:

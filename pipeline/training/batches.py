@@ -17,7 +17,7 @@ from pipeline.training import tree_attention as ta
 
 
 class ScoreRules(Protocol):
-    """The LearnerConfig fields that decide targets, scores and weights."""
+    """The StageSettings fields that decide targets, scores and weights."""
 
     advantage: str  # "grpo": group-normalized advantages; "ppo": the reward as the return
     grpo_eps: float

@@ -1,5 +1,5 @@
 """The learner's compute: one optimization step over a batch of TreeGroups, SFT, weight saving, checkpoints. What
-it optimizes is configured by :class:`pipeline.training.learner_config.LearnerConfig`; the module it trains is
+it optimizes is configured by :class:`pipeline.training.stage.StageSettings`; the module it trains is
 :class:`pipeline.training.policy.PolicyValue`.
 
 Synchronous by design — the learner actor runs these methods in a worker thread so the event loop stays free.
@@ -45,8 +45,8 @@ from pipeline.training import advantages as adv
 from pipeline.training import batches, losses
 from pipeline.training import tree_attention as ta
 from pipeline.training.batches import MicroBatch
-from pipeline.training.learner_config import LearnerConfig
 from pipeline.training.policy import PolicyValue, load_policy
+from pipeline.training.stage import StageSettings
 
 
 def _log() -> Any:
@@ -75,13 +75,13 @@ class Learner:
     def __init__(
         self,
         model: str | os.PathLike[str] | nn.Module,
-        config: LearnerConfig | None = None,
+        config: StageSettings | None = None,
         accelerator: Accelerator | None = None,
         model_path: str | os.PathLike[str] | None = None,  # with a module: the folder it came from (tokenizer files)
     ):
-        self.config = cfg = config or LearnerConfig()
+        self.config = cfg = config or StageSettings()
         if cfg.schedule != "constant" and cfg.total_steps <= 0:
-            raise ValueError(f"LearnerConfig.total_steps must be > 0 for schedule={cfg.schedule!r}")
+            raise ValueError(f"StageSettings.total_steps must be > 0 for schedule={cfg.schedule!r}")
         if accelerator is None:
             mp = cfg.mixed_precision
             if mp == "auto":

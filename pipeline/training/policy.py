@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pipeline.training import losses
-from pipeline.training.learner_config import LearnerConfig
+from pipeline.training.stage import StageSettings
 
 
 class PolicyValue(nn.Module):
@@ -54,7 +54,7 @@ class PolicyValue(nn.Module):
         return res
 
 
-def load_policy(path: str | os.PathLike[str], config: LearnerConfig) -> nn.Module:
+def load_policy(path: str | os.PathLike[str], config: StageSettings) -> nn.Module:
     """The causal LM in a HF folder, in the config's parameter dtype (the slow part of building a Learner)."""
     from transformers import AutoModelForCausalLM
 

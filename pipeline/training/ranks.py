@@ -38,7 +38,7 @@ from pipeline.core.paths import REPO
 from pipeline.core.runfiles import kill_marked, remove_prefixed
 from pipeline.core.runtime import on_emergency
 from pipeline.messages import TreeGroup
-from pipeline.training.learner_config import LearnerConfig
+from pipeline.training.stage import StageSettings
 
 T = TypeVar("T")
 
@@ -50,7 +50,7 @@ class Init(msgspec.Struct, tag=True, kw_only=True):
     """Build a fresh Learner from a HF folder (a new stage: SFT, RL after SFT, or the one to resume into)."""
 
     model: str
-    config: LearnerConfig
+    config: StageSettings
 
 
 class TrainStep(msgspec.Struct, tag=True):
@@ -121,7 +121,7 @@ class InProcess:
     def version(self) -> int:
         return self.learner.version
 
-    async def init(self, model: Any, config: LearnerConfig, model_path: str | os.PathLike[str] | None = None) -> None:
+    async def init(self, model: Any, config: StageSettings, model_path: str | os.PathLike[str] | None = None) -> None:
         self.learner = None  # the old stage's model and optimizer go before the new ones are built
         self.learner = await anyio.to_thread.run_sync(lambda: self._cls(model, config, model_path=model_path))
 
@@ -168,7 +168,7 @@ class Ranks:
     def processes(self) -> int:
         return len(self.streams)
 
-    async def init(self, model: Any, config: LearnerConfig, model_path: str | os.PathLike[str] | None = None) -> None:
+    async def init(self, model: Any, config: StageSettings, model_path: str | os.PathLike[str] | None = None) -> None:
         """``model``: a HF folder (each rank loads it; a module cannot cross processes), which also holds the
         tokenizer files: ``model_path`` is only :meth:`InProcess.init`'s."""
         if not isinstance(model, (str, os.PathLike)):

@@ -36,10 +36,10 @@ def load(tmp_path, text, overrides=()):
 
 def test_decodes_sections_into_actor_config_types(tmp_path):
     exp = load(tmp_path, BASE)
-    from actors.toy import ScaleConfig, SinkConfig, SourceConfig
-    assert exp.sections["source"] == SourceConfig(count=3)
-    assert exp.sections["scale"] == ScaleConfig(factor=2.0)
-    assert exp.sections["sink"] == SinkConfig()  # missing section -> defaults
+    from actors.toy import ScaleSettings, SinkSettings, SourceSettings
+    assert exp.sections["source"] == SourceSettings(count=3)
+    assert exp.sections["scale"] == ScaleSettings(factor=2.0)
+    assert exp.sections["sink"] == SinkSettings()  # missing section -> defaults
     assert exp.graph.parsed_edges() == [("source", "out", "scale"), ("scale", "out", "sink")]
     assert exp.name == "t"
 

@@ -13,7 +13,7 @@ SAMPLES = [
         purpose="eval",
     ),
     m.ServiceReady(service="proxy", base_url="http://127.0.0.1:1", unix_socket="/tmp/s"),
-    m.EngineReady(workers=["http://127.0.0.1:2", "http://127.0.0.1:3"], weight_version=2),
+    m.EngineReady(servers=["http://127.0.0.1:2", "http://127.0.0.1:3"], weight_version=2),
     m.CallStarted(rollout_id="r1", call_id="c1", seq=0, t=1.5),
     m.ModelCall(
         rollout_id="r1", call_id="c1", seq=0, protocol="anthropic", label="compaction",

@@ -27,11 +27,11 @@ import actors
 from actors.collector import Collector
 from actors.evaluator import Evaluator
 from actors.learner import LearnerActor, LearnerSettings
-from actors.monitor import Monitor, MonitorConfig
+from actors.monitor import Monitor, MonitorSettings
 from actors.proxy import ProxyActor
 from actors.sandbox import SandboxPool, SandboxSettings
 from actors.scheduler import Scheduler
-from actors.toy import Scale, ScaleConfig, Sink, SinkConfig, Source, SourceConfig
+from actors.toy import Scale, ScaleSettings, Sink, SinkSettings, Source, SourceSettings
 from actors.tree import TreeBuilder, TreeSettings
 from pipeline.core import logs
 from pipeline.core.config import RunSection
@@ -313,7 +313,7 @@ async def test_learner_checkpoint_cadence_and_weights_kept_apply_at_the_next_ste
         torch.set_num_threads(threads)
 
 
-def monitor_in(tmp_path, config: MonitorConfig) -> Monitor:
+def monitor_in(tmp_path, config: MonitorSettings) -> Monitor:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     return Monitor("monitor", config, ActorContext(run_dir=run_dir))
@@ -328,7 +328,7 @@ async def test_monitor_refresh_s_redraws_the_live_display_at_the_new_rate(tmp_pa
     def frames() -> int:
         return buf.getvalue().count("bridle · run")
 
-    c = MonitorConfig(display="auto", refresh_s=60.0, plots=False)
+    c = MonitorSettings(display="auto", refresh_s=60.0, plots=False)
     actor = monitor_in(tmp_path, c)
     async with live(actor):
         await anyio.wait_all_tasks_blocked()
@@ -352,7 +352,7 @@ async def test_monitor_refresh_s_redraws_the_live_display_at_the_new_rate(tmp_pa
 @reloads(Monitor, "progress_s")
 async def test_monitor_progress_s_spaces_the_progress_lines_at_the_new_interval(tmp_path, monkeypatch):
     monkeypatch.setattr(logs, "console", lambda: Console(file=io.StringIO(), force_terminal=False))
-    c = MonitorConfig(display="log", refresh_s=0.02, progress_s=60.0, plots=False)
+    c = MonitorSettings(display="log", refresh_s=0.02, progress_s=60.0, plots=False)
     actor = monitor_in(tmp_path, c)
 
     async def demonstrations(lv, n: int) -> None:
@@ -379,7 +379,7 @@ async def test_monitor_progress_s_spaces_the_progress_lines_at_the_new_interval(
 @reloads(Scale, "factor")
 @reloads(Sink, "delay_s")
 async def test_toy_actors_interval_factor_and_delay_apply_to_the_next_note(tmp_path):
-    c = SourceConfig(count=-1, interval_s=0.3)
+    c = SourceSettings(count=-1, interval_s=0.3)
     source = Source("source", c)
     async with live(source) as lv:
         await lv.wait_for("out", 1)
@@ -390,7 +390,7 @@ async def test_toy_actors_interval_factor_and_delay_apply_to_the_next_note(tmp_p
         with anyio.fail_after(2.0):  # after the current 0.3 s wait, 5 ms apart (0.3 s apart: 6 s)
             await lv.wait_for("out", 20)
 
-    c = ScaleConfig(factor=2.0)
+    c = ScaleSettings(factor=2.0)
     scale = Scale("scale", c)
     async with live(scale) as lv:
         await lv.inbox.send(Note(seq=1, value=1.0))
@@ -400,7 +400,7 @@ async def test_toy_actors_interval_factor_and_delay_apply_to_the_next_note(tmp_p
         await lv.inbox.send(Note(seq=2, value=1.0))
         assert [n.value for n in await lv.wait_for("out", 2)] == [2.0, 5.0]
 
-    c = SinkConfig(path=str(tmp_path / "sink.jsonl"), delay_s=0.3)
+    c = SinkSettings(path=str(tmp_path / "sink.jsonl"), delay_s=0.3)
     sink = Sink("sink", c)
     async with live(sink, inbox_size=0) as lv:  # unbuffered: a send completes when the sink takes the note
         await lv.inbox.send(Note(seq=0, value=0.0))

@@ -34,7 +34,7 @@ def test_one_seed_one_first_batch(tmp_path):
         *(x for s in (*SHORT, f"experiment.seed={seeds[n]}") for x in ("--set", s))] for n in runs))
     for r in done:
         assert r.returncode == 0, r.stderr[-3000:]
-    (a, tasks_a), (b, tasks_b), (c, tasks_c) = (first_batch_hash(runs[n]) for n in runs)
+    (a, tasks_a), (b, tasks_b), (c, _) = (first_batch_hash(runs[n]) for n in runs)
     assert len(tasks_a) == 2
     assert a == b and tasks_a == tasks_b
     assert c != a

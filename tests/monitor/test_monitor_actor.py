@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 from structlog.testing import capture_logs
 
-from actors.monitor import Monitor, MonitorConfig
+from actors.monitor import Monitor, MonitorSettings
 from pipeline.core import logs
 from pipeline.core.runtime import ActorContext
 from pipeline.messages import Metric, Note
@@ -48,7 +48,7 @@ async def test_metrics_jsonl_has_kind_and_source_and_the_state_follows_kinds(tmp
         await send.send(Note(value="ignored"))
         await send.send(Metric(source="trainer", kind="rl_step", step=2, values={"reward": 0.7, "entropy": 0.1}))
 
-    m = await drive(tmp_path, MonitorConfig(display="off", plots=True), script)
+    m = await drive(tmp_path, MonitorSettings(display="off", plots=True), script)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["source"], r["kind"], r["step"]) for r in rows] == [
         ("sched", "scheduler", -1), ("trainer", "rl_step", 1), ("trainer", "rl_step", 2)]
@@ -70,7 +70,7 @@ async def test_off_a_terminal_progress_lines_and_a_line_per_step(tmp_path, monke
         await anyio.sleep(0.3)
 
     with capture_logs() as cap:
-        await drive(tmp_path, MonitorConfig(display="auto", refresh_s=0.05, plots=False), script)
+        await drive(tmp_path, MonitorSettings(display="auto", refresh_s=0.05, plots=False), script)
     progress = [e for e in cap if e["event"] == "progress"]
     phases = [e["phase"] for e in progress]
     # A loaded machine may tick between the sends, so a "recording" line can come first; the order is what matters.
@@ -133,4 +133,4 @@ def test_refresh_s_must_be_positive():
     import msgspec
 
     with pytest.raises(msgspec.ValidationError, match="refresh_s"):
-        msgspec.convert({"refresh_s": 0}, MonitorConfig)
+        msgspec.convert({"refresh_s": 0}, MonitorSettings)

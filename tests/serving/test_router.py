@@ -246,15 +246,15 @@ def test_router_flags_are_the_installed_routers():
 @pytest.mark.parametrize(
     ("settings", "needle"),
     [
-        (EngineSettings(kind="sglang", replicas=2), "list running SGLang servers in [engine].worker_urls"),
+        (EngineSettings(kind="sglang", replicas=2), "list running SGLang servers in [engine].server_urls"),
         (EngineSettings(kind="scripted", replicas=2), '[engine].replicas is read by kind = "embedded" only'),
-        (EngineSettings(kind="embedded", worker_urls=["http://a:1"]), '[engine].worker_urls is read by kind = "sglang"'),
+        (EngineSettings(kind="embedded", server_urls=["http://a:1"]), '[engine].server_urls is read by kind = "sglang"'),
     ],
 )
 def test_fleet_settings_that_cannot_work_are_refused(settings, needle):
     assert needle in engine_problem(settings)
     assert engine_problem(EngineSettings(kind="embedded", replicas=3)) == ""
-    assert engine_problem(EngineSettings(kind="sglang", worker_urls=["http://a:1", "http://b:2"])) == ""
+    assert engine_problem(EngineSettings(kind="sglang", server_urls=["http://a:1", "http://b:2"])) == ""
 
 
 def test_replicas_share_out_half_the_cores(monkeypatch):

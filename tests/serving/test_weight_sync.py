@@ -25,8 +25,8 @@ from pipeline.serving.launch import launch_embedded
 from pipeline.serving.sglang_client import HttpEngine
 from pipeline.serving.weight_sync import WeightPusher, manifest
 from pipeline.training.learner import Learner
-from pipeline.training.learner_config import LearnerConfig
 from pipeline.training.ranks import InProcess
+from pipeline.training.stage import StageSettings
 
 pytestmark = pytest.mark.slow  # starts engine processes
 
@@ -150,7 +150,7 @@ def test_the_learner_pushes_and_falls_back_to_the_disk(engines, models, tmp_path
     push reaches both engines (its tensors are the ones the engine accepts); a push an engine refuses is written to
     disk and announced with its path instead, and the group is given up."""
     a, b, _ = engines
-    learner = Learner(models[1], LearnerConfig(initial_version=20))
+    learner = Learner(models[1], StageSettings(initial_version=20))
     actor = LearnerActor("learner", LearnerSettings(weight_sync="distributed", sync_timeout_s=60),
                          ActorContext(run_dir=tmp_path))
     actor.learner = InProcess()
@@ -162,9 +162,9 @@ def test_the_learner_pushes_and_falls_back_to_the_disk(engines, models, tmp_path
 
     async def main():
         async with HttpEngine(a, control_urls=[a, b]) as fleet:
-            await actor._join(EngineReady(workers=["http://127.0.0.1:9"]))  # nothing listens there
+            await actor._join(EngineReady(servers=["http://127.0.0.1:9"]))  # nothing listens there
             assert actor.pusher is None
-            await actor._join(EngineReady(workers=[a, b]))
+            await actor._join(EngineReady(servers=[a, b]))
             assert actor.pusher is not None
             assert await actor._publish(1, {}, []) is None
             first = updates.receive_nowait()

@@ -12,7 +12,7 @@ from pipeline.messages import RolloutSummary, TreeGroup, ids
 from pipeline.training import batches
 from pipeline.training import tree_attention as ta
 from pipeline.training.learner import Learner
-from pipeline.training.learner_config import LearnerConfig
+from pipeline.training.stage import StageSettings
 from tests.helpers.learner_trees import Item, group, pack_paths, random_paths, tiny_qwen3
 
 
@@ -28,7 +28,7 @@ def _one_thread():
 def _learner(model, **kw) -> Learner:
     kw.setdefault("lr", 1e-3)
     kw.setdefault("attention", "dense")
-    return Learner(model, LearnerConfig(**kw))
+    return Learner(model, StageSettings(**kw))
 
 
 def _grads(learner: Learner) -> dict[str, torch.Tensor]:
@@ -232,7 +232,7 @@ def test_save_weights_is_a_loadable_hf_folder(tmp_path):
     src = tmp_path / "base"
     tiny_qwen3(7).save_pretrained(src)
     (src / "tokenizer_config.json").write_text("{}")
-    lrn = Learner(src, LearnerConfig(lr=1e-2, attention="dense"))
+    lrn = Learner(src, StageSettings(lr=1e-2, attention="dense"))
     lrn.train_step([group(random_paths(np.random.default_rng(2), 2), [1.0, 0.0])])
     out = lrn.save_weights(tmp_path / "w")
     assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
@@ -287,11 +287,11 @@ def test_bad_groups_are_refused_with_the_group_named():
             ]
         )
     with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({"lr": 1e-3, "lrr": 1}, LearnerConfig)
+        msgspec.convert({"lr": 1e-3, "lrr": 1}, StageSettings)
     with pytest.raises(msgspec.ValidationError, match=r"Expected `float` > 0.0 - at `\$.lr`"):
-        msgspec.convert({"lr": 0.0}, LearnerConfig)
+        msgspec.convert({"lr": 0.0}, StageSettings)
     with pytest.raises(ValueError, match="total_steps"):
-        Learner(tiny_qwen3(0), LearnerConfig(schedule="cosine"))
+        Learner(tiny_qwen3(0), StageSettings(schedule="cosine"))
 
 
 def test_pack_helper_is_what_the_contract_says():

@@ -13,7 +13,7 @@ from pipeline.messages import RolloutStatus
 from pipeline.training import advantages as adv
 
 
-class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class StageSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # optimizer and schedule
     lr: PosFloat = 1e-6
     weight_decay: NonNegFloat = 0.0
