@@ -19,7 +19,7 @@ import msgspec
 # recorded run's folder and its events.msgpack).
 EXAMPLES: list[tuple[str, str]] = [
     ("python run.py --experiment quickstart", "run configs/quickstart.toml"),
-    ("python run.py --experiment configs/quickstart.toml --set learner.train.lr=1e-4 --set experiment.seed=3",
+    ("python run.py --experiment configs/quickstart.toml --set learner.train.optimizer.lr=1e-4 --set experiment.seed=3",
      "a file by path, two fields overridden"),
     ("python run.py --experiment quickstart --validate", "check the experiment file and exit"),
     ("python run.py --resume RUN_DIR", "continue a run (also after kill -9) from its last checkpoint"),

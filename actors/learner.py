@@ -45,7 +45,7 @@ from pipeline.training.health import assess
 from pipeline.training.loop import ColdStartReady, LearnerLoop, Resample, StepReady, sft_plan
 from pipeline.training.policy import load_policy
 from pipeline.training.ranks import InProcess, Ranks, start_ranks
-from pipeline.training.stage import StageSettings
+from pipeline.training.stage import OptimizerSettings, StageSettings
 
 
 class Announcement(msgspec.Struct):
@@ -96,7 +96,7 @@ class LearnerSettings(Section):
     train: StageSettings = msgspec.field(default_factory=StageSettings)  # the RL stage
     # The SFT stage has its own optimizer (and usually a larger learning rate); RL then starts from the SFT
     # weights with a fresh optimizer, so no SFT momentum leaks into the policy-gradient updates.
-    sft: StageSettings = msgspec.field(default_factory=lambda: StageSettings(lr=1e-3))
+    sft: StageSettings = msgspec.field(default_factory=lambda: StageSettings(optimizer=OptimizerSettings(lr=1e-3)))
     reloadable = frozenset({"checkpoint_every", "keep_weights"})
 
     def check(self, name: str, exp: Any) -> None:
@@ -119,10 +119,10 @@ class LearnerSettings(Section):
             raise ConfigError(f'{exp.source}: [{name}].gpus = "{self.gpus}" names {len(self.gpus.split(","))} '
                               f"device(s) for processes = {self.processes}: one per rank")
         if exp.run.dynamic_sampling:
-            if self.train.advantage != "grpo":
+            if self.train.objective.advantage != "grpo":
                 raise ConfigError(f"{exp.source}: [run].dynamic_sampling replaces groups without a reward spread, "
-                                  f"which only GRPO leaves without a gradient; [{name}.train].advantage is "
-                                  f'"{self.train.advantage}": set dynamic_sampling = 0')
+                                  f"which only GRPO leaves without a gradient; [{name}.train.objective].advantage is "
+                                  f'"{self.train.objective.advantage}": set dynamic_sampling = 0')
             if not any(src == name and out == "resample" for src, out, _ in exp.graph.parsed_edges()):
                 raise ConfigError(f"{exp.source}: [run].dynamic_sampling = {exp.run.dynamic_sampling} asks the "
                                   f'scheduler for replacement groups: add "{name}.resample -> <scheduler>" to '
@@ -136,8 +136,9 @@ class LearnerSettings(Section):
         """``[learner.train]`` with what it leaves to ``[run]``: the decay of a linear/cosine schedule spans every
         optimizer step of the run unless ``total_steps`` is set."""
         t = self.train
-        if t.schedule != "constant" and not t.total_steps:
-            t = msgspec.structs.replace(t, total_steps=max(1, run.steps * t.epochs * t.minibatches))
+        if t.schedule.kind != "constant" and not t.schedule.total_steps:
+            t = msgspec.structs.replace(t, schedule=msgspec.structs.replace(
+                t.schedule, total_steps=max(1, run.steps * t.epochs * t.minibatches)))
         return t
 
 
@@ -251,7 +252,7 @@ class LearnerActor(Actor[LearnerSettings]):
         """Whether a training group's rewards differ over the rollouts the RL stage scores (dynamic sampling)."""
         if not isinstance(g, TreeGroup) or g.purpose != "train":
             return True
-        statuses = self.config.rl_stage(self.ctx.run).train_statuses
+        statuses = self.config.rl_stage(self.ctx.run).objective.train_statuses
         return adv.reward_spread(np.array([r.reward for r in g.rollouts]), adv.rollout_valid(g.rollouts, statuses))
 
     def _compact(self, g: TreeGroup | GroupDropped) -> TreeGroup | GroupDropped:
@@ -296,9 +297,9 @@ class LearnerActor(Actor[LearnerSettings]):
         for gid, lag in ready.stale:
             self.log.warning("stale group dropped", group=gid, lag=lag)
         stage = self.config.rl_stage(self.ctx.run)
-        health = assess(ready.step, ready.batch, ready.untrained, stage.train_statuses,
+        health = assess(ready.step, ready.batch, ready.untrained, stage.objective.train_statuses,
                         resampled=ready.resampled if self.ctx.run.dynamic_sampling else None)
-        warning = health.warning(stage.advantage)
+        warning = health.warning(stage.objective.advantage)
         if warning is not None:
             self.log.warning(warning, step=ready.step, cause=health.cause)
         warnings = [warning] if warning is not None else []

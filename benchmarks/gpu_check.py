@@ -175,11 +175,11 @@ def _learner(model, **kw):
     from accelerate.state import AcceleratorState
 
     from pipeline.training.learner import Learner
-    from pipeline.training.stage import StageSettings
+    from pipeline.training.stage import stage_settings
 
     AcceleratorState._reset_state(reset_partial_state=True)
     kw.setdefault("lr", 1e-3)
-    return Learner(model, StageSettings(**kw))
+    return Learner(model, stage_settings(**kw))
 
 
 def _loss_and_grads(model, groups, case: dict[str, Any], attention: str, bf16: bool) -> dict[str, Any]:

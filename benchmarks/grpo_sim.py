@@ -12,7 +12,7 @@ It reproduced the pipeline's behaviour closely enough to choose the quickstart's
 what to expect"); confirm any change with `benchmarks/quickstart_learning.py`.
 
     python benchmarks/grpo_sim.py --run runs/<a quickstart run> [--seeds 0 1 2] [--steps 30] [--groups 8]
-        [--group-size 8] [--set lr=5e-4 --set kl_coef=0.05 ...]   # any [learner.train] (StageSettings) field
+        [--group-size 8] [--set lr=5e-4 --set kl_coef=0.05 ...]   # any [learner.train] field, by its flat name (stage_settings)
         [--pool 40]     # train on 40 of the run's RL tasks, one shuffled pass per epoch (as the quickstart does)
         [--eval 40]                                                # sampled-outcome breakdown before and after
 
@@ -54,7 +54,7 @@ from pipeline.models.small import VocabTable, load_vocab_table
 from pipeline.rollout.taskgen import generate
 from pipeline.tokens.render import qwen3_renderer
 from pipeline.training.learner import Learner
-from pipeline.training.stage import StageSettings
+from pipeline.training.stage import stage_settings
 from pipeline.trees.packing import build_group
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +155,7 @@ def run_seed(args: argparse.Namespace, seed: int, model_path: str, sft: list[Tre
     packs = [compact(g, vocab) for g in sft]
     sft_dir = args.run / "grpo_sim" / f"sft-seed{seed}-{args.sft_steps}"
     if not (sft_dir / "config.json").is_file():
-        lrn = Learner(model_path, StageSettings(lr=args.sft_lr, micro_batch_tokens=2048, seed=seed))
+        lrn = Learner(model_path, stage_settings(lr=args.sft_lr, micro_batch_tokens=2048, seed=seed))
         rng = random.Random(seed)
         order: list[TreeGroup] = []
         while len(order) < args.sft_steps:
@@ -166,7 +166,7 @@ def run_seed(args: argparse.Namespace, seed: int, model_path: str, sft: list[Tre
             lrn.sft_step([g])
         lrn.save_weights(sft_dir)
     overrides = {k: tomllib.loads(f"v = {v}")["v"] for k, v in (s.split("=", 1) for s in args.sets)}
-    cfg = msgspec.convert({"micro_batch_tokens": 2048, "seed": seed, **overrides}, StageSettings)
+    cfg = stage_settings(**{"micro_batch_tokens": 2048, "seed": seed, **overrides})
     learner = Learner(str(sft_dir), cfg)
     tasks = sorted(prompts)
     held = tasks[: args.eval]

@@ -44,7 +44,7 @@ import torch
 from pipeline.core.logs import configure
 from pipeline.messages import PackedTree, RolloutSummary, TreeGroup, ids, mask, pack_f32, pack_i32, pack_u8
 from pipeline.training.learner import Learner
-from pipeline.training.stage import StageSettings
+from pipeline.training.stage import StageSettings, stage_settings
 
 H200_BF16_TFLOPS = 989.0
 
@@ -303,7 +303,7 @@ def main() -> None:
     batches = {name: [msgspec.structs.replace(v[name], group_id=f"{name}-{k}") for k, v in enumerate(variants)]
                for name in names}
     gpu = torch.cuda.is_available() and not small
-    cfg = StageSettings(
+    cfg = stage_settings(
         lr=1e-6,
         micro_batch_tokens=budget,
         attention="flex" if gpu else "dense",
@@ -353,7 +353,7 @@ async def measure(args: argparse.Namespace, model_dir: Path, model, cfg: StageSe
         steppers: dict[int, Any] = {}
         for n in rank_counts:
             if n == 1:
-                learner = Learner(model, cfg, accelerator=Accelerator(mixed_precision=cfg.mixed_precision,
+                learner = Learner(model, cfg, accelerator=Accelerator(mixed_precision=cfg.compute.mixed_precision,
                                                                       cpu=not gpu))
 
                 async def one(batch: list[TreeGroup], learner: Learner = learner) -> None:

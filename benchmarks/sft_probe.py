@@ -38,7 +38,7 @@ from pipeline.messages import SettledRollout, TreeGroup, ids, pack_i32
 from pipeline.models.small import VocabTable, create_small_model, load_vocab_table
 from pipeline.tokens.render import qwen3_renderer
 from pipeline.training.learner import Learner
-from pipeline.training.stage import StageSettings
+from pipeline.training.stage import stage_settings
 from pipeline.trees.packing import expand_paths, pack_demonstrations
 
 
@@ -146,7 +146,7 @@ def main() -> None:
         create_small_model(tmp, vocab=table, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
                            num_kv_heads=a.kv_heads, max_position_embeddings=32768, seed=a.seed,
                            sliding_window=a.window)
-        learner = Learner(tmp, StageSettings(lr=a.lr, micro_batch_tokens=1 << 16, seed=a.seed))
+        learner = Learner(tmp, stage_settings(lr=a.lr, micro_batch_tokens=1 << 16, seed=a.seed))
     rng = np.random.default_rng(a.seed)
     tokens = np.mean([len(ids(g.packed.tokens)) for g in packs])
     print(f"{len(demos)} demonstrations; {len(packs)} packs of {a.pack} ({tokens:.0f} tokens each); hidden "

@@ -245,7 +245,14 @@ def _hint(typ: type, path: list[str], what: str) -> tuple[str, str | None]:
         if struct is not RunSection and name in {f.encode_name for f in msgspec.structs.fields(RunSection)}:
             return f"; it is set once for every actor, in [run] ({name} = ...)", name
         known = [f.encode_name for f in msgspec.structs.fields(struct)]
-        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        # the fields of its tables too, by their dotted names ([learner.train] lr is optimizer.lr)
+        nested = {f"{f.encode_name}.{g.encode_name}": g.encode_name for f in msgspec.structs.fields(struct)
+                  if (sub := _struct_in(f.type)) is not None for g in msgspec.structs.fields(sub)}
+        if inner := [dotted for dotted, leaf in nested.items() if leaf == name]:
+            return f"; it is in one of its tables: {' or '.join(inner)}", name
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6) or [
+            dotted for leaf in difflib.get_close_matches(name, list(nested.values()), n=3, cutoff=0.6)
+            for dotted, other in nested.items() if other == leaf]
         if close:
             return f"; did you mean {' or '.join(close)}?", name
         return f"; its fields are {', '.join(known)}", name

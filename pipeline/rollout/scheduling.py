@@ -131,7 +131,7 @@ class SchedulerSettings(Section):
                 f"log-probabilities then describe no sampling distribution, so [{learner[0]}] cannot score them "
                 "(the loss would be NaN); train at a temperature > 0, and decode greedily only where nothing is "
                 "trained (--serve)")
-        if (learner is not None and self.group_size < 2 and learner[1].train.advantage == "grpo"
+        if (learner is not None and self.group_size < 2 and learner[1].train.objective.advantage == "grpo"
                 and exp.run.steps > 0):
             raise ConfigError(
                 f"{exp.source}: [{name}].group_size = {self.group_size} gives every rollout a zero GRPO advantage "

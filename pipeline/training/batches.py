@@ -68,16 +68,16 @@ def prepare(group: TreeGroup, index: int, cfg: ScoreRules, sft: bool = False) ->
         targets = np.flatnonzero(arrays.trainable)
         score = np.zeros(targets.shape[0])
     else:
-        valid = adv.rollout_valid(group.rollouts, cfg.train_statuses)
+        valid = adv.rollout_valid(group.rollouts, cfg.objective.train_statuses)
         targets = np.flatnonzero(arrays.trainable & adv.per_token(valid, arrays.rollout))
         slot = (
-            adv.grpo_advantages(rewards, valid, cfg.grpo_eps, cfg.grpo_scale_by_std)
-            if cfg.advantage == "grpo"
+            adv.grpo_advantages(rewards, valid, cfg.objective.grpo_eps, cfg.objective.grpo_scale_by_std)
+            if cfg.objective.advantage == "grpo"
             else rewards
         )
         score = adv.per_token(slot, arrays.rollout)[targets]
     weight = np.ones(targets.shape[0], dtype=np.float32)
-    if not sft and cfg.loss_agg == "seq_mean_token_mean" and targets.size:
+    if not sft and cfg.objective.loss_agg == "seq_mean_token_mean" and targets.size:
         slots = arrays.rollout[targets]
         weight = (1.0 / np.bincount(slots)[slots]).astype(np.float32)
     return Tree(

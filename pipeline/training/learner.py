@@ -80,10 +80,10 @@ class Learner:
         model_path: str | os.PathLike[str] | None = None,  # with a module: the folder it came from (tokenizer files)
     ):
         self.config = cfg = config or StageSettings()
-        if cfg.schedule != "constant" and cfg.total_steps <= 0:
-            raise ValueError(f"StageSettings.total_steps must be > 0 for schedule={cfg.schedule!r}")
+        if cfg.schedule.kind != "constant" and cfg.schedule.total_steps <= 0:
+            raise ValueError(f"StageSettings.schedule.total_steps must be > 0 for schedule.kind={cfg.schedule.kind!r}")
         if accelerator is None:
-            mp = cfg.mixed_precision
+            mp = cfg.compute.mixed_precision
             if mp == "auto":
                 mp = "bf16" if torch.cuda.is_available() else "no"
             # Unused parameters (the value head under GRPO) would stall DDP's all-reduce; this only matters (and
@@ -92,11 +92,11 @@ class Learner:
                 DistributedDataParallelKwargs(find_unused_parameters=True)])
         self.accelerator = acc = accelerator
         set_seed(cfg.seed)
-        self.attention = cfg.attention
+        self.attention = cfg.compute.attention
         if self.attention == "auto":
             self.attention = "flex" if acc.device.type == "cuda" else "chunked"
         impl = {"flex": "flex_attention", "chunked": ta.register_chunked()}.get(self.attention, "sdpa")
-        dtype = torch.float32 if cfg.param_dtype == "float32" else torch.bfloat16
+        dtype = torch.float32 if cfg.compute.param_dtype == "float32" else torch.bfloat16
 
         self.model_path: Path | None = Path(model_path) if model_path is not None else None
         if isinstance(model, nn.Module):
@@ -107,18 +107,18 @@ class Learner:
         policy.to(dtype)
         policy.set_attn_implementation(impl)
         self.window = ta.sliding_window(policy.config)  # sliding-window layers: masked by the tree attention too
-        if cfg.gradient_checkpointing:
+        if cfg.compute.gradient_checkpointing:
             _checkpointing(policy, True)
         policy.train()
 
         self.reference: nn.Module | None = None
         self._reference_name = ""  # the reference's folder, once a checkpoint named it (resume)
-        if cfg.kl_coef > 0:
+        if cfg.objective.kl_coef > 0:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False).to(acc.device)
 
         net = PolicyValue(policy)
         optimizer = torch.optim.AdamW(
-            net.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+            net.parameters(), lr=cfg.optimizer.lr, betas=cfg.optimizer.betas, eps=cfg.optimizer.adam_eps, weight_decay=cfg.optimizer.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
         self.net, self.optimizer = acc.prepare(net, optimizer)
@@ -140,11 +140,11 @@ class Learner:
         t0 = time.perf_counter()
         if not groups:
             raise ValueError("Learner.train_step needs at least one TreeGroup")
-        value_phase = cfg.advantage == "ppo" and self.step < cfg.value_warmup_steps
+        value_phase = cfg.objective.advantage == "ppo" and self.step < cfg.objective.value_warmup_steps
         everything = np.arange(len(groups))
         splits = self._share(groups, [list(s) for s in np.array_split(everything, min(cfg.minibatches, len(groups)))])
         trees = {i: batches.prepare(groups[i], i, self.config) for s in splits for i in s}
-        micros = [batches.micro_batches([trees[i] for i in s], cfg.micro_batch_tokens) for s in splits]
+        micros = [batches.micro_batches([trees[i] for i in s], cfg.compute.micro_batch_tokens) for s in splits]
         micros, skipped = self._even(micros)
         single_update = cfg.epochs * len(splits) == 1
         for mbs in micros:
@@ -176,7 +176,7 @@ class Learner:
         t0 = time.perf_counter()
         (share,) = self._share(groups, [list(range(len(groups)))])
         trees = [batches.prepare(groups[i], i, self.config, sft=True) for i in share]
-        (mbs,), skipped = self._even([batches.micro_batches(trees, self.config.micro_batch_tokens)])
+        (mbs,), skipped = self._even([batches.micro_batches(trees, self.config.compute.micro_batch_tokens)])
         sums = self._accumulate(mbs, sft=True)
         sums["tokens"] += skipped
         grad_norm = self._optimizer_step()
@@ -192,10 +192,10 @@ class Learner:
         """Forward and backward of one single-update step without the optimizer step (gradients stay in .grad)."""
         self.optimizer.zero_grad(set_to_none=True)
         trees = [batches.prepare(g, i, self.config, sft=sft) for i, g in enumerate(groups)]
-        mbs = batches.micro_batches(trees, self.config.micro_batch_tokens)
+        mbs = batches.micro_batches(trees, self.config.compute.micro_batch_tokens)
         if not sft:
             self._fill_old(mbs, need_logp=False)
-        value_phase = self.config.advantage == "ppo" and self.step < self.config.value_warmup_steps
+        value_phase = self.config.objective.advantage == "ppo" and self.step < self.config.objective.value_warmup_steps
         return self._accumulate(mbs, value_phase=value_phase, sft=sft)
 
     def save_weights(self, directory: str | os.PathLike[str], version: int | None = None) -> Path:
@@ -291,7 +291,7 @@ class Learner:
                 raise FileNotFoundError(
                     f"{src / STATE_FILE} names no KL reference policy (a checkpoint written before references were "
                     "saved); the KL term would pull towards the wrong policy. Resume with "
-                    "--set learner.train.kl_coef=0, or start a new run")
+                    "--set learner.train.objective.kl_coef=0, or start a new run")
             from safetensors.torch import load_model
 
             dev = self.accelerator.device  # "cpu:0" on a gloo rank, which safetensors does not take
@@ -346,14 +346,14 @@ class Learner:
 
     def _lr_factor(self, opt_step: int) -> float:
         cfg = self.config
-        if opt_step < cfg.warmup_steps:
-            return (opt_step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
+        if opt_step < cfg.schedule.warmup_steps:
+            return (opt_step + 1) / cfg.schedule.warmup_steps
+        if cfg.schedule.kind == "constant":
             return 1.0
-        span = max(1, cfg.total_steps - cfg.warmup_steps)
-        frac = min(1.0, (opt_step - cfg.warmup_steps) / span)
-        decay = 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
-        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+        span = max(1, cfg.schedule.total_steps - cfg.schedule.warmup_steps)
+        frac = min(1.0, (opt_step - cfg.schedule.warmup_steps) / span)
+        decay = 1.0 - frac if cfg.schedule.kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+        return cfg.schedule.min_lr_ratio + (1.0 - cfg.schedule.min_lr_ratio) * decay
 
     def _forward(
         self, mb: MicroBatch, values: Literal["none", "detached", "attached"]
@@ -361,9 +361,9 @@ class Learner:
         cfg = self.config
         return self.net(
             **batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device,
-                                   cfg.attention_chunk, self.window),
+                                   cfg.compute.attention_chunk, self.window),
             temperature=self._temperature(mb),
-            logits_chunk=cfg.logits_chunk,
+            logits_chunk=cfg.compute.logits_chunk,
             values=values,
         )
 
@@ -375,14 +375,14 @@ class Learner:
         checkpointing, benchmarks/results/2026-12-04-gpu-h200.md). Only layer inputs are kept; each layer is
         recomputed in the backward pass. Nothing changes numerically."""
         cfg = self.config
-        if cfg.gradient_checkpointing or len(mb.forest) <= cfg.micro_batch_tokens:
+        if cfg.compute.gradient_checkpointing or len(mb.forest) <= cfg.compute.micro_batch_tokens:
             yield
             return
         if not self._told_oversized:  # once per learner, rank 0 only: a property of the data, not an event
             self._told_oversized = True
             if self.accelerator.is_main_process:
                 _log().info("oversized_micro_batch", tokens=len(mb.forest),
-                            micro_batch_tokens=cfg.micro_batch_tokens, activation_checkpointing=True)
+                            micro_batch_tokens=cfg.compute.micro_batch_tokens, activation_checkpointing=True)
         policy = self._policy()
         _checkpointing(policy, True)
         try:
@@ -402,7 +402,7 @@ class Learner:
     @torch.no_grad()
     def _fill_old(self, mbs: list[MicroBatch], need_logp: bool) -> None:
         """pi_old log-probs and values (when more than one update uses this batch) and pi_ref log-probs."""
-        ppo = self.config.advantage == "ppo"
+        ppo = self.config.objective.advantage == "ppo"
         for mb in mbs:
             mb.old = {}
             if need_logp:
@@ -412,7 +412,7 @@ class Learner:
                     mb.old["value"] = out["value"].float()
             if self.reference is not None:
                 inputs = batches.model_inputs(mb.forest, mb.targets, self.attention, self.accelerator.device,
-                                              self.config.attention_chunk, self.window)
+                                              self.config.compute.attention_chunk, self.window)
                 with self.accelerator.autocast():
                     h = self.reference.base_model(
                         input_ids=inputs["input_ids"],
@@ -426,7 +426,7 @@ class Learner:
                         self.reference.get_output_embeddings(),
                         inputs["targets"],
                         self._temperature(mb),
-                        self.config.logits_chunk,
+                        self.config.compute.logits_chunk,
                         with_entropy=False,
                     )
                 mb.old["ref"] = lp.float()
@@ -437,7 +437,7 @@ class Learner:
         """Forward + backward over the micro-batches of one update; the loss is a weighted mean over all of them
         (weights from ``loss_agg``: 1 per token for a token mean)."""
         cfg, acc = self.config, self.accelerator
-        ppo = cfg.advantage == "ppo" and not sft
+        ppo = cfg.objective.advantage == "ppo" and not sft
         dev = acc.device
         local = sum(len(mb.targets) for mb in mbs if not mb.pad)
         local_weight = float(sum(mb.weight.sum(dtype=np.float64) for mb in mbs))
@@ -445,7 +445,7 @@ class Learner:
         total = acc.reduce(torch.tensor(local_weight, device=dev), reduction="sum").item()
         scale = acc.num_processes / max(total, 1.0)
         value_mode = (
-            "none" if not ppo else ("attached" if cfg.value_trunk_grad and not value_phase else "detached")
+            "none" if not ppo else ("attached" if cfg.objective.value_trunk_grad and not value_phase else "detached")
         )
         sums: dict[str, float] = {"tokens": 0.0, "trainable_tokens": float(local), "loss": 0.0}
         for k, mb in enumerate(mbs):
@@ -492,16 +492,16 @@ class Learner:
         if ppo:
             values = out["value"].float()
             values_old = mb.old["value"] if "value" in mb.old else values.detach()
-            vloss, vclipped = losses.value_loss(values, values_old, score, cfg.value_clip)
-            total = total + cfg.value_coef * (weight * vloss).sum()
+            vloss, vclipped = losses.value_loss(values, values_old, score, cfg.objective.value_clip)
+            total = total + cfg.objective.value_coef * (weight * vloss).sum()
             parts["value_loss_sum"] = vloss.detach().sum().item()
             parts["value_clip_sum"] = vclipped.sum().item()
             parts["value_sum"] = values_old.sum().item()
         if not value_phase:
             advantage = adv.ppo_advantages(score, values_old) if ppo else score
             logp_rollout = torch.as_tensor(mb.logp_rollout, device=dev)
-            tis = losses.tis_weight(logp_old, logp_rollout, cfg.tis_cap)
-            pt = losses.policy_loss(logp, logp_old, advantage, tis, cfg.clip_low, cfg.clip_high)
+            tis = losses.tis_weight(logp_old, logp_rollout, cfg.objective.tis_cap)
+            pt = losses.policy_loss(logp, logp_old, advantage, tis, cfg.objective.clip_low, cfg.objective.clip_high)
             per_token = pt.loss
             raw_ratio = torch.exp(logp_old - logp_rollout)
             parts["pg_loss_sum"] = pt.loss.detach().sum().item()
@@ -510,14 +510,14 @@ class Learner:
             if raw_ratio.numel():
                 parts["is_ratio_max"] = raw_ratio.max().item()
                 parts["is_ratio_min"] = raw_ratio.min().item()
-            parts["is_capped_sum"] = (raw_ratio > cfg.tis_cap).sum().item()
+            parts["is_capped_sum"] = (raw_ratio > cfg.objective.tis_cap).sum().item()
             parts["advantage_sum"] = advantage.detach().sum().item()
             if "ref" in mb.old:
                 kl = losses.kl_k3(logp, mb.old["ref"])
-                per_token = per_token + cfg.kl_coef * kl
+                per_token = per_token + cfg.objective.kl_coef * kl
                 parts["kl_sum"] = kl.detach().sum().item()
-            if cfg.entropy_coef:
-                per_token = per_token - cfg.entropy_coef * ent
+            if cfg.objective.entropy_coef:
+                per_token = per_token - cfg.objective.entropy_coef * ent
             total = total + (weight * per_token).sum()
         parts["loss_sum"] = total
         return parts
@@ -529,7 +529,7 @@ class Learner:
         a row stop the run with :class:`NonFiniteError`. (The norm is global: under several processes every rank
         decides the same.)"""
         acc = self.accelerator
-        grad_norm = float(acc.clip_grad_norm_(self.net.parameters(), self.config.max_grad_norm))
+        grad_norm = float(acc.clip_grad_norm_(self.net.parameters(), self.config.optimizer.max_grad_norm))
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
@@ -539,7 +539,7 @@ class Learner:
             self.nonfinite_in_a_row += 1
             _log().warning("non-finite gradient: update skipped", grad_norm=grad_norm, step=self.step,
                            in_a_row=self.nonfinite_in_a_row, skipped_total=self.skipped_updates)
-            if self.nonfinite_in_a_row >= self.config.max_nonfinite_updates:
+            if self.nonfinite_in_a_row >= self.config.optimizer.max_nonfinite_updates:
                 self.optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteError(
                     f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss or gradient (step "

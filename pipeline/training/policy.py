@@ -61,5 +61,5 @@ def load_policy(path: str | os.PathLike[str], config: StageSettings) -> nn.Modul
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Learner model path {path} does not exist")
-    dtype = torch.float32 if config.param_dtype == "float32" else torch.bfloat16
+    dtype = torch.float32 if config.compute.param_dtype == "float32" else torch.bfloat16
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

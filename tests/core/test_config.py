@@ -102,7 +102,10 @@ def test_errors_suggest_the_field_and_list_the_allowed_values(tmp_path):
                                    "scaling (field [scheduler].mode in ")
     with pytest.raises(cfg.ConfigError) as e:  # nested: the struct at the error's path gives the names
         load(tmp_path, quickstart, ["learner.train.lrr=1e-5"])
-    assert str(e.value).startswith("--set learner.train.lrr=1e-5: object contains unknown field lrr; did you mean lr?")
+    assert str(e.value).startswith("--set learner.train.lrr=1e-5: object contains unknown field lrr; did you mean "
+                                   "optimizer.lr?")
+    with pytest.raises(cfg.ConfigError, match=r"unknown field lr; it is in one of its tables: optimizer.lr"):
+        load(tmp_path, quickstart, ["learner.train.lr=1e-5"])  # a stage's settings are nested by concern
 
 
 @pytest.mark.parametrize("sets, says", [
@@ -182,8 +185,8 @@ def quickstart(overrides=()):
     ("scheduler.temperature=-1.0", "[scheduler].temperature", ">= 0"),
     ("scheduler.timeout_s=0", "[scheduler].timeout_s", "> 0"),
     ("scheduler.max_groups_in_flight=0", "[scheduler].max_groups_in_flight", ">= 1"),
-    ("learner.train.lr=-1e-3", "[learner].train.lr", "> 0"),
-    ("learner.sft.lr=0", "[learner].sft.lr", "> 0"),
+    ("learner.train.optimizer.lr=-1e-3", "[learner].train.optimizer.lr", "> 0"),
+    ("learner.sft.optimizer.lr=0", "[learner].sft.optimizer.lr", "> 0"),
     ("collector.settle_interval_s=0", "[collector].settle_interval_s", "> 0"),
     ("proxy.keepalive_s=30", "[proxy].keepalive_s", "<= 15"),
     ("graph.queue_size=0", "[graph].queue_size", ">= 1"),
@@ -200,7 +203,7 @@ def test_cross_section_checks_name_both_fields():
         quickstart(["scheduler.max_new_tokens=4096"])
     with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].group_size = 1 .*\[learner.train\].advantage"):
         quickstart(["scheduler.group_size=1"])
-    quickstart(["scheduler.group_size=1", 'learner.train.advantage="ppo"'])  # PPO needs no group
+    quickstart(["scheduler.group_size=1", 'learner.train.objective.advantage="ppo"'])  # PPO needs no group
     with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].temperature = 0 is greedy .*\[learner\] cannot"):
         quickstart(["scheduler.temperature=0"])
     quickstart(["scheduler.temperature=0", "run.steps=0"])  # a cold start only: no sampled rollout is trained
@@ -226,8 +229,8 @@ def test_distributed_weight_sync_needs_the_engines_edge():
 
 def test_dynamic_sampling_needs_the_resample_edge_and_grpo():
     quickstart(["run.dynamic_sampling=2"])  # the shipped configs have the edge
-    with pytest.raises(cfg.ConfigError, match=r"dynamic_sampling .*\[learner.train\].advantage is \"ppo\""):
-        quickstart(["run.dynamic_sampling=2", 'learner.train.advantage="ppo"'])
+    with pytest.raises(cfg.ConfigError, match=r"dynamic_sampling .*\[learner.train.objective\].advantage is \"ppo\""):
+        quickstart(["run.dynamic_sampling=2", 'learner.train.objective.advantage="ppo"'])
     raw = quickstart().to_dict()  # the preset spelled out: a custom graph
     raw["graph"]["edges"].remove("learner.resample -> scheduler")
     cfg.load_experiment(raw, resolve)  # off: no edge needed
@@ -262,13 +265,13 @@ def test_distributed_weight_sync_with_learner_ranks_is_refused():
 # Settings a careless user (or a typo) gives, which a run used to accept and then fail on, loop on, or train NaNs
 # with: each is refused by --validate, naming the field.
 @pytest.mark.parametrize(("override", "says"), [
-    ("learner.train.entropy_coef=nan", "[learner].train.entropy_coef = nan: settings must be finite"),
-    ("learner.train.lr=inf", "[learner].train.lr = inf: settings must be finite"),
-    ("learner.train.clip_high=inf", "[learner].train.clip_high = inf"),
-    ("learner.train.tis_cap=inf", "[learner].train.tis_cap = inf"),
+    ("learner.train.objective.entropy_coef=nan", "[learner].train.objective.entropy_coef = nan: settings must be finite"),
+    ("learner.train.optimizer.lr=inf", "[learner].train.optimizer.lr = inf: settings must be finite"),
+    ("learner.train.objective.clip_high=inf", "[learner].train.objective.clip_high = inf"),
+    ("learner.train.objective.tis_cap=inf", "[learner].train.objective.tis_cap = inf"),
     ("eval.threshold=nan", "[eval].threshold = nan"),
-    ("learner.train.betas=[1.5, -1]", "betas"),
-    ('learner.train.train_statuses=["bogus"]', "train_statuses"),
+    ("learner.train.optimizer.betas=[1.5, -1]", "betas"),
+    ('learner.train.objective.train_statuses=["bogus"]', "train_statuses"),
     ("graph.stop_after=[]", "[graph].stop_after is empty, and the edges make a cycle"),
     ("graph.inbox_sizes.nosuch=5", 'inbox_sizes names actor "nosuch"'),
     ('scheduler.harness="whtiebox"', 'unknown harness "whtiebox"'),
@@ -391,7 +394,7 @@ def test_the_experiment_seed_seeds_every_actor_that_sets_none():
     seeds = (exp.sections["scheduler"].seed, exp.sections["learner"].train.seed, exp.sections["learner"].sft.seed,
              exp.sections["eval"].seed)
     assert seeds == (3, 3, 5, 3)  # a section's own seed wins
-    assert exp.sections["learner"].sft.lr == 1e-3  # the stage's other defaults are untouched
+    assert exp.sections["learner"].sft.optimizer.lr == 1e-3  # the stage's other defaults are untouched
     # task sets are data, not the run's randomness: their seeds stay
     assert exp.sections["scheduler"].tasks.seed == quickstart().sections["scheduler"].tasks.seed
 

@@ -12,7 +12,7 @@ from pipeline.messages import RolloutSummary, TreeGroup, ids
 from pipeline.training import batches
 from pipeline.training import tree_attention as ta
 from pipeline.training.learner import Learner
-from pipeline.training.stage import StageSettings
+from pipeline.training.stage import StageSettings, stage_settings
 from tests.helpers.learner_trees import Item, group, pack_paths, random_paths, tiny_qwen3
 
 
@@ -28,7 +28,7 @@ def _one_thread():
 def _learner(model, **kw) -> Learner:
     kw.setdefault("lr", 1e-3)
     kw.setdefault("attention", "dense")
-    return Learner(model, StageSettings(**kw))
+    return Learner(model, stage_settings(**kw))
 
 
 def _grads(learner: Learner) -> dict[str, torch.Tensor]:
@@ -232,7 +232,7 @@ def test_save_weights_is_a_loadable_hf_folder(tmp_path):
     src = tmp_path / "base"
     tiny_qwen3(7).save_pretrained(src)
     (src / "tokenizer_config.json").write_text("{}")
-    lrn = Learner(src, StageSettings(lr=1e-2, attention="dense"))
+    lrn = Learner(src, stage_settings(lr=1e-2, attention="dense"))
     lrn.train_step([group(random_paths(np.random.default_rng(2), 2), [1.0, 0.0])])
     out = lrn.save_weights(tmp_path / "w")
     assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
@@ -287,11 +287,11 @@ def test_bad_groups_are_refused_with_the_group_named():
             ]
         )
     with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({"lr": 1e-3, "lrr": 1}, StageSettings)
-    with pytest.raises(msgspec.ValidationError, match=r"Expected `float` > 0.0 - at `\$.lr`"):
-        msgspec.convert({"lr": 0.0}, StageSettings)
+        msgspec.convert({"optimizer": {"lr": 1e-3, "lrr": 1}}, StageSettings)
+    with pytest.raises(msgspec.ValidationError, match=r"Expected `float` > 0.0 - at `\$.optimizer.lr`"):
+        msgspec.convert({"optimizer": {"lr": 0.0}}, StageSettings)
     with pytest.raises(ValueError, match="total_steps"):
-        Learner(tiny_qwen3(0), StageSettings(schedule="cosine"))
+        Learner(tiny_qwen3(0), stage_settings(schedule="cosine"))
 
 
 def test_pack_helper_is_what_the_contract_says():
@@ -311,7 +311,7 @@ def test_flex_attention_path_equals_dense():
         with torch.no_grad():
             lrn.net.value_head.weight.normal_(generator=torch.Generator().manual_seed(0))
         mbs = batches.micro_batches([batches.prepare(g, i, lrn.config) for i, g in enumerate(groups)],
-                                    lrn.config.micro_batch_tokens)
+                                    lrn.config.compute.micro_batch_tokens)
         lrn._fill_old(mbs, need_logp=True)
         out[attention] = (
             torch.cat([mb.old["logp"] for mb in mbs]),
@@ -329,7 +329,7 @@ def test_micro_batches_split_at_roots_without_changing_the_step():
     whole = _learner(copy.deepcopy(model), micro_batch_tokens=100_000)
     split = _learner(copy.deepcopy(model), micro_batch_tokens=1)
     trees = [batches.prepare(g, i, split.config) for i, g in enumerate(groups)]
-    n_split = len(batches.micro_batches(trees, split.config.micro_batch_tokens))
+    n_split = len(batches.micro_batches(trees, split.config.compute.micro_batch_tokens))
     assert n_split > len(groups)
     m_whole, m_split = whole.loss_and_grads(groups), split.loss_and_grads(groups)
     assert m_whole["loss"] == pytest.approx(m_split["loss"], abs=1e-6)
@@ -463,10 +463,10 @@ def test_a_non_finite_gradient_is_never_applied_and_enough_in_a_row_stop_the_run
     assert all(torch.equal(before[k], v) for k, v in lrn.policy_state().items())
     # a finite update in between resets the count
     ok = _learner(tiny_qwen3(7), max_nonfinite_updates=2)
-    ok.config.entropy_coef = float("nan")
+    ok.config.objective.entropy_coef = float("nan")
     ok.train_step(groups)
-    ok.config.entropy_coef = 0.0
+    ok.config.objective.entropy_coef = 0.0
     assert ok.train_step(groups)["skipped_updates"] == 0 and ok.nonfinite_in_a_row == 0
-    ok.config.entropy_coef = float("nan")
+    ok.config.objective.entropy_coef = float("nan")
     ok.train_step(groups)
     assert ok.nonfinite_in_a_row == 1

@@ -20,7 +20,7 @@ from pipeline.messages import ids
 from pipeline.training import batches
 from pipeline.training.learner import Learner
 from pipeline.training.ranks import RankError, start_ranks
-from pipeline.training.stage import StageSettings
+from pipeline.training.stage import stage_settings
 from tests.helpers.learner_trees import group, random_paths, tiny_qwen3
 
 # Weights after one AdamW step, 2 ranks against 1. The first Adam step is lr * g / (|g| + eps): with eps small, a
@@ -84,7 +84,7 @@ def _one_thread():
 def test_two_ranks_give_the_weights_of_one(model_dir, tmp_path):
     want, got_metrics = {}, {}
     for name, (kw, n) in CASES.items():
-        cfg = StageSettings(**{**BASE, **kw})
+        cfg = stage_settings(**{**BASE, **kw})
         one = Learner(model_dir, cfg)
         groups = _groups(n, seed=len(name))
         m = one.sft_step(groups) if name == "sft" else one.train_step(groups)
@@ -94,7 +94,7 @@ def test_two_ranks_give_the_weights_of_one(model_dir, tmp_path):
     async def two() -> None:
         async with start_ranks(2, log_path=tmp_path / "ranks.log", threads=1, timeout_s=300) as ranks:
             for name, (kw, n) in CASES.items():
-                await ranks.init(str(model_dir), StageSettings(**{**BASE, **kw}))
+                await ranks.init(str(model_dir), stage_settings(**{**BASE, **kw}))
                 groups = _groups(n, seed=len(name))
                 call = ranks.sft_step if name == "sft" else ranks.train_step
                 got_metrics[name] = await call(groups)
@@ -118,7 +118,7 @@ def test_two_ranks_give_the_weights_of_one(model_dir, tmp_path):
 def test_a_checkpoint_of_two_ranks_resumes_in_one(model_dir, tmp_path):
     """Under DDP every rank holds the whole model and optimizer, so a checkpoint written by 2 ranks resumes in 1
     (rank 1's RNG state is simply not loaded): the next step gives the weights the 2 ranks reached."""
-    cfg = StageSettings(**BASE, schedule="cosine", total_steps=4)
+    cfg = stage_settings(**BASE, schedule="cosine", total_steps=4)
     steps = [_groups(3, seed=7), _groups(3, seed=8)]
 
     async def two() -> None:
@@ -149,7 +149,7 @@ def test_a_failing_rank_fails_the_call_with_its_traceback(model_dir, tmp_path):
 
     async def go() -> None:
         async with start_ranks(2, log_path=tmp_path / "ranks.log", threads=1, timeout_s=120) as ranks:
-            await ranks.init(str(model_dir), StageSettings(**BASE))
+            await ranks.init(str(model_dir), stage_settings(**BASE))
             with pytest.raises(RankError, match=r"(?s)failed in train_step.*refers to slot 99"):
                 await ranks.train_step(bad)
 
@@ -161,7 +161,7 @@ def test_a_killed_rank_fails_the_run_at_once(model_dir, tmp_path):
 
     async def go() -> None:
         async with start_ranks(2, log_path=log, threads=1, timeout_s=600) as ranks:
-            await ranks.init(str(model_dir), StageSettings(**BASE))
+            await ranks.init(str(model_dir), stage_settings(**BASE))
             os.kill(ranks.pids[1], signal.SIGKILL)
             # rank 0 sees its peer gone (gloo: connection reset) or the launcher stops it first: either way the
             # call fails with the reason within seconds, not at the 600 s timeout
@@ -203,7 +203,7 @@ async def test_the_learner_actor_trains_on_two_ranks_and_a_dead_rank_fails_it(mo
     from tests.helpers.live_actor import live
 
     run_dir = tmp_path / "run"
-    c = LearnerSettings(processes=2, threads=1, train=StageSettings(**BASE))
+    c = LearnerSettings(processes=2, threads=1, train=stage_settings(**BASE))
     actor = LearnerActor("learner", c, ActorContext(
         run_dir=run_dir, run=RunSection(model=str(model_dir), steps=3, groups_per_step=2)))
     with pytest.raises(BaseExceptionGroup) as info:
