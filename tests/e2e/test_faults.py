@@ -32,7 +32,7 @@ def test_engine_500_and_killed_sandbox_do_not_stop_the_run(tmp_path):
     run_dir = tmp_path / "run"
     sets = [
         f'run.model="{model}"', "experiment.build_model.tasks=20",
-        'proxy.engine.kind="scripted"', f'proxy.engine.script="{script}"',
+        f'proxy.engine={{kind="scripted", script="{script}"}}',
         "scheduler.sft_groups=0", "run.steps=3",
         "scheduler.group_size=2", "run.groups_per_step=2",
         "scheduler.tasks.count=10", 'monitor.display="off"',
@@ -218,7 +218,7 @@ def test_an_attached_engine_that_stops_answering_fails_a_live_evaluation(tmp_pat
             assert engine.poll() is None and time.monotonic() - t0 < 120, "the engine did not start"
             time.sleep(0.1)
         url = f"http://127.0.0.1:{port_file.read_text().strip()}"
-        sets = [f'run.model="{model}"', 'proxy.engine.kind="sglang"', f'proxy.engine.url="{url}"',
+        sets = [f'run.model="{model}"', f'proxy.engine={{kind="sglang", url="{url}"}}',
                 "eval.tasks.count=20", "eval.samples=4", 'monitor.display="off"']
         args = [sys.executable, "run.py", "--eval", "--experiment", "quickstart", "--run-dir", str(run_dir),
                 "--no-watch"]

@@ -29,7 +29,7 @@ def test_a_run_mixes_the_judge_into_every_reward(tmp_path):
     with judge_server(KEY) as server:
         sets = [
             f'run.model="{tmp_path / "model"}"', "experiment.build_model.tasks=20",
-            'proxy.engine.kind="scripted"', f'proxy.engine.script="{script}"',
+            f'proxy.engine={{kind="scripted", script="{script}"}}',
             "scheduler.sft_groups=0", "run.steps=1", "run.groups_per_step=2", "scheduler.group_size=2",
             "scheduler.tasks.count=10", 'monitor.display="off"',
             f'sandbox.judge.base_url="{server.url}"', 'sandbox.judge.model="score:0.5#run"',

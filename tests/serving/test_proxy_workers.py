@@ -224,7 +224,7 @@ async def test_a_worker_that_dies_in_its_handshake_is_named(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize(("extra", "match"), [
-    (['proxy.engine.kind="scripted"', 'proxy.engine.script="x.json"'], "scripted engine lives in the proxy's process"),
+    (['proxy.engine={kind="scripted", script="x.json"}'], "scripted engine lives in the proxy's process"),
     # the Ray relays serve a socket per worker, each dialling the worker's own port: one fixed address cannot
     (['sandbox.backend="ray"', 'sandbox.ray.proxy_address="10.0.0.1:8000"'],
      r"proxy_address = '10.0.0.1:8000': that is one host:port, and each worker listens on its own"),
