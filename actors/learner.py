@@ -66,7 +66,7 @@ class LearnerSettings(Section):
 
     # Cold-start SFT on the demonstration packs: passes over all packs, and packs per update.
     sft_epochs: PosInt = 10
-    sft_batch_groups: PosInt = 1
+    sft_batch_groups: PosInt = 1  # packs per SFT update
     # SFT updates between cold-start checkpoints (checkpoints/sft00040, the latest only; 0: none): a run killed in
     # its cold start resumes from there instead of starting over. Removed once the first RL step is checkpointed.
     sft_checkpoint_every: NonNegInt = 25

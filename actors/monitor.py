@@ -33,7 +33,7 @@ class MonitorSettings(Section):
     display: Display = "auto"
     refresh_s: Seconds = 1.0  # live display redraws
     progress_s: Seconds = 30.0  # at most one progress log line per this many seconds (and one per phase change)
-    plots: bool = True
+    plots: bool = True  # write plots.png (and sft.png) at the end
     reloadable = frozenset({"refresh_s", "progress_s"})
 
 

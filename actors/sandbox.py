@@ -40,11 +40,11 @@ class SandboxSettings(SandboxCommon):
     rollout folders) and one table per backend; ``backend`` selects the tables that apply (BACKEND_TABLES), and a
     table set for another backend is refused, naming the backend that reads it."""
 
-    backend: Literal["local", "docker", "ray"] = "local"
-    concurrency: PosInt = 4
-    local: LocalSettings = msgspec.field(default_factory=LocalSettings)
+    backend: Literal["local", "docker", "ray"] = "local"  # where sandboxes run
+    concurrency: PosInt = 4  # sandboxes at once (hot-reloadable)
+    local: LocalSettings = msgspec.field(default_factory=LocalSettings)  # [sandbox.local]
     docker: DockerSettings = msgspec.field(default_factory=DockerSettings)  # also each Ray node's sandboxes
-    ray: RaySettings = msgspec.field(default_factory=RaySettings)
+    ray: RaySettings = msgspec.field(default_factory=RaySettings)  # [sandbox.ray]
     judge: JudgeSettings | None = None  # the rubric judge; none: the rule reward alone
     reloadable = frozenset({"concurrency"})
 

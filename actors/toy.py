@@ -14,7 +14,7 @@ from pipeline.messages import Metric, Note
 
 class SourceSettings(Section):
     count: int = 10  # -1: run until stopped
-    interval_s: float = 0.0
+    interval_s: float = 0.0  # pause between notes
     reloadable = frozenset({"interval_s"})
 
 
@@ -33,7 +33,7 @@ class Source(Actor[SourceSettings]):
 
 
 class ScaleSettings(Section):
-    factor: float = 2.0
+    factor: float = 2.0  # what each value is multiplied by (hot-reloadable)
     mode: str = "mul"  # fixed: changing it needs a restart
     reloadable = frozenset({"factor"})
 

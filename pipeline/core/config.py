@@ -58,12 +58,12 @@ class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ExperimentSection(Section):
-    name: str = ""
+    name: str = ""  # names the run folder (runs/<time>-<name>)
     # The run's seed: what every actor's own seed is unless its section sets one (SEEDED): the scheduler's task
     # order and sampling seeds, each training stage's, the evaluator's. Task sets keep their own (a task set is data).
     seed: int = 0
-    runs_dir: str = "runs"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    runs_dir: str = "runs"  # where run folders go
+    log_level: Literal["debug", "info", "warning", "error"] = "info"  # log.jsonl's and the terminal's
     description: str = ""  # one line saying what the experiment is; --validate prints it
     # Build a small CPU policy at [run].model before the run if it is missing (pipeline.models.quickstart.ModelSpec
     # fields other than path).

@@ -40,7 +40,7 @@ from pipeline.rollout.tasks import Task
 class EvalSettings(Section):
     """``[eval]``: what an evaluation samples, how often, and what counts as a success."""
 
-    tasks: TaskSource = msgspec.field(default_factory=lambda: TaskSource(seed=1_000_003))
+    tasks: TaskSource = msgspec.field(default_factory=lambda: TaskSource(seed=1_000_003))  # the held-out tasks
     harnesses: list[str] = msgspec.field(default_factory=list)  # explicit harnesses (black-box: out-of-space)
     # white-box configurations added per column: every configuration of the space's training set ("in-space")
     # and of its held-out set ("held-out"); configs_per_column > 0 takes that many of each, spread evenly
@@ -48,7 +48,7 @@ class EvalSettings(Section):
     # the harness space whose sets the columns are (harness_space.design); a scaling run's must be its scheduler's
     space: Space = "published"
     space_seed: int = 0  # the draw of space = "random18", as [scheduler].space_seed
-    configs_per_column: NonNegInt = 0
+    configs_per_column: NonNegInt = 0  # 0: every configuration of each column's set
     # task folders never to evaluate on, besides this run's own training and demonstration tasks (run.py --eval
     # --checkpoint RUN_DIR adds that run's)
     exclude: list[str] = msgspec.field(default_factory=list)
@@ -58,12 +58,12 @@ class EvalSettings(Section):
     every_steps: NonNegInt = 0  # during training: a round after every N RL steps and after the cold start
     # set by run.py --eval (a graph with no learner): one round of the served policy at once, then stop
     standalone: bool = False
-    max_groups_in_flight: PosInt = 4
-    temperature: PosFloat = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    max_new_tokens: PosInt = 256
-    timeout_s: PosFloat = 300.0
-    seed: int = 0
+    max_groups_in_flight: PosInt = 4  # groups issued and not settled, at most
+    temperature: PosFloat = 1.0  # the policy's sampling temperature
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0  # nucleus sampling (1: off)
+    max_new_tokens: PosInt = 256  # per model call
+    timeout_s: PosFloat = 300.0  # a rollout's wall-clock limit
+    seed: int = 0  # sampling; [experiment].seed by default
     reloadable = frozenset({"every_steps", "max_groups_in_flight"})
 
     def check(self, name: str, exp: Any) -> None:

@@ -54,7 +54,7 @@ class JudgeSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[sandbox.judge]``: where the judge is, how its score mixes in, what its failure does."""
 
     base_url: str  # the OpenAI-compatible API's base, e.g. "http://127.0.0.1:8000/v1" (…/chat/completions is added)
-    model: str
+    model: str  # the model name the endpoint serves
     # The NAME of the environment variable holding the API key ("" = send none); the key itself never goes into
     # the experiment file. Checked when the experiment is loaded.
     api_key_env: str = ""
@@ -67,8 +67,8 @@ class JudgeSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # What a judge that gave no usable score after every try does to the rollout: status verifier_error (no
     # reward), or the rule reward alone (rewards without a "judge" part; details say why).
     on_failure: Literal["verifier_error", "rule_only"] = "verifier_error"
-    max_tokens: PosInt = 512
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    max_tokens: PosInt = 512  # the judge's answer cap
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # the judge's sampling (0: greedy)
     max_workspace_chars: PosInt = 24_000  # the snapshot of the workspace in the prompt
     max_file_chars: PosInt = 4_000  # the head of each file in it
 

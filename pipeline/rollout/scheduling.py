@@ -42,7 +42,7 @@ class TaskSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     tasks: str = "builtin:create_file"
     count: PosInt = 64
-    seed: int = 0
+    seed: int = 0  # builtin: the first instance seed (a task set keeps its own, whatever [experiment].seed)
 
     def problem(self) -> str:
         """Why this source cannot produce tasks, or "" (checked when the experiment is read)."""
@@ -65,12 +65,12 @@ GREEDY_TEMPERATURE = 1e-6  # below it engines decode greedily (SGLang's rule, ke
 class SchedulerSettings(Section):
     """``[scheduler]``: what to roll out. Steps, groups per step and the staleness bound are in ``[run]``."""
 
-    tasks: TaskSource = msgspec.field(default_factory=TaskSource)
+    tasks: TaskSource = msgspec.field(default_factory=TaskSource)  # the training tasks
     # Tasks of the demonstrations. Unset: they are the first sft_groups of the training stream. Set: a separate
     # set, so training can cycle over a small fixed pool the demonstrations never showed (quickstart).
     sft_tasks: TaskSource | None = None
-    mode: Literal["single", "mix", "scaling"] = "single"
-    harness: str = "whitebox:S0T0O0C0W0"
+    mode: Literal["single", "mix", "scaling"] = "single"  # how groups get harnesses (docs/rollout.md)
+    harness: str = "whitebox:S0T0O0C0W0"  # single mode: every group's harness
     harnesses: list[str] = msgspec.field(default_factory=list)  # mix mode
     k: PosInt = 2  # scaling mode: harnesses per task, over K successive steps
     # scaling mode: the white-box training set: the paper's published 18, the generated orthogonal array, Random-18
@@ -80,21 +80,21 @@ class SchedulerSettings(Section):
     # scaling mode: a task's K configurations: an anchor and its K-1 nearest ("locality"), K distinct drawn at random
     # ("random"), or one drawn at random K times ("repeat": Repeat-K, the control for K passes per task)
     assignment: AssignmentRule = "locality"
-    group_size: PosInt = 4
-    max_groups_in_flight: PosInt = 4
+    group_size: PosInt = 4  # rollouts per (task, harness) group
+    max_groups_in_flight: PosInt = 4  # groups issued and not finished, at most
     sft_groups: NonNegInt = 0  # oracle demonstration groups before training (cold-start SFT)
     # earlier runs' rollouts as demonstrations too: an --eval of a teacher, a --serve session (rejection-sampled)
     sft_recordings: Recordings | None = None
-    sft_group_size: PosInt = 2
-    temperature: NonNegFloat = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    sft_group_size: PosInt = 2  # rollouts per demonstration group
+    temperature: NonNegFloat = 1.0  # the policy's sampling temperature
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0  # nucleus sampling (1: off)
     top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: off
-    max_new_tokens: PosInt = 256
+    max_new_tokens: PosInt = 256  # per model call
     # A demonstration's responses are the script's, whatever their length (a file's whole content in one tool
     # call): their own, larger cap, so a small max_new_tokens for sampled rollouts never cuts one.
     sft_max_new_tokens: PosInt = 1024
-    timeout_s: PosFloat = 300.0
-    seed: int = 0
+    timeout_s: PosFloat = 300.0  # a rollout's wall-clock limit (the task's own when shorter)
+    seed: int = 0  # task order and sampling; [experiment].seed by default
     reloadable = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "timeout_s", "max_groups_in_flight"})
 
     def check(self, name: str, exp: Any) -> None:

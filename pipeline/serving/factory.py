@@ -37,7 +37,7 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # how the model writes tool calls: "auto" (from the renderer folder's chat template / config.json) or a name in
     # pipeline/tokens/toolparse.py FORMATS ("hermes", "llama3_json", "mistral")
     tool_format: str = "auto"
-    enable_thinking: bool = False
+    enable_thinking: bool = False  # render prompts with the template's thinking turned on
     weight_version: int = 0  # the policy version the engine starts with (sent as a string)
     script: str = ""  # scripted: the script file
     # sglang: attach to a running server or router instead of launching one; openai: the base URL (…/v1)

@@ -72,7 +72,7 @@ Emit = Callable[[Message], Awaitable[None]]
 class ProxySettings(Section):
     """``[proxy]`` (and its table ``[proxy.engine]``, the engine that serves ``[run].model``)."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address it listens on (0.0.0.0: every interface)
     port: Port = 0  # 0: pick a free port
     # also listen on this Unix socket (Docker sandboxes reach the proxy through it, mounted); "auto": one in a
     # fresh temp folder (a socket path must stay under 108 bytes); "": TCP only
@@ -82,15 +82,15 @@ class ProxySettings(Section):
     # answer goes out whole in one write; anything slower gets its head within 20 ms, which no client can tell
     # from "at once" (wire rules §4). 0 sends the head before waiting on the engine at all.
     stream_head_s: NonNegFloat = 0.02
-    max_body_bytes: PosInt = 32 << 20
+    max_body_bytes: PosInt = 32 << 20  # a larger request is refused
     # What one client can hold (pipeline/serving/http_server.py; docs/serving.md): a sandbox is a client, and its
     # policy may be hostile. A request arrives whole within request_timeout_s; at most max_connections are open;
     # one rollout's token holds at most max_connections_per_token requests at once.
     request_timeout_s: PosFloat = 60.0
-    max_connections: PosInt = 1024
-    max_connections_per_token: PosInt = 64
+    max_connections: PosInt = 1024  # open at once, all clients
+    max_connections_per_token: PosInt = 64  # requests one rollout's token holds at once
     context_len: PosInt = 32768  # prompt + output must fit; longer prompts get a context-length error
-    model_name: str = "policy"
+    model_name: str = "policy"  # the model id answers carry
     subagent_model: str = "policy-subagent"  # a model id harnesses are told to use for subagents
     # A call with at least this many characters of new prompt text (not covered by the splicer's prefix cache)
     # is tokenized in a worker thread, so the event loop keeps serving other calls meanwhile (the tokenizer
@@ -111,7 +111,7 @@ class ProxySettings(Section):
     # before serving: is turn-by-turn rendering with splicing the template's own rendering (docs/tokens.md)?
     # "error" refuses to start on a mismatch, "warn" logs it and serves, "off" skips the check
     template_check: Literal["error", "warn", "off"] = "error"
-    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)  # [proxy.engine]
     reloadable = frozenset({"keepalive_s", "update_timeout_s"})
 
     def check(self, name: str, exp: Any) -> None:

@@ -20,8 +20,8 @@ class OptimizerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """AdamW and the update's guards."""
 
     lr: PosFloat = 1e-6  # the peak learning rate (the schedule scales it)
-    weight_decay: NonNegFloat = 0.0
-    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    weight_decay: NonNegFloat = 0.0  # AdamW's decoupled weight decay
+    betas: tuple[Beta, Beta] = (0.9, 0.999)  # AdamW's moment decays
     adam_eps: PosFloat = 1e-8  # larger damps the first updates of weights whose gradients are tiny
     max_grad_norm: PosFloat = 1.0  # gradients are clipped to this global norm
     # updates with a non-finite gradient in a row (each skipped, the policy left as it was) that stop the run
@@ -31,7 +31,7 @@ class OptimizerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 class ScheduleSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How the learning rate moves over the stage's optimizer steps."""
 
-    kind: Literal["constant", "linear", "cosine"] = "constant"
+    kind: Literal["constant", "linear", "cosine"] = "constant"  # the shape after the warm-up
     warmup_steps: NonNegInt = 0  # optimizer steps of linear warm-up
     # Optimizer steps the linear/cosine decay spans. 0 in an experiment: [run].steps x epochs x minibatches (the
     # learner actor fills it in); the Learner itself needs it > 0 for those schedules.
@@ -43,7 +43,7 @@ class ObjectiveSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """The loss: advantages, the clipped and importance-corrected policy term, the KL and entropy terms, PPO's value
     loss, and how tokens are averaged."""
 
-    advantage: Literal["grpo", "ppo"] = "grpo"
+    advantage: Literal["grpo", "ppo"] = "grpo"  # grpo: group-relative rewards; ppo: GAE from a value head
     grpo_eps: PosFloat = 1e-6  # added to a group's reward std before dividing by it
     grpo_scale_by_std: bool = True  # off: advantages are reward - group mean (Dr. GRPO)
     # the rollout statuses whose rewards count (a timeout's workspace is still scored); others are left out, counted
@@ -73,17 +73,17 @@ class ComputeSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # chunked runs attention_chunk queries at a time (memory linear in tokens); dense builds an N x N mask;
     # reference runs every root-to-leaf path as its own sequence and is for tests.
     attention: Literal["auto", "flex", "chunked", "dense", "reference"] = "auto"
-    attention_chunk: PosInt = 1024
+    attention_chunk: PosInt = 1024  # queries per block of chunked attention
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, no otherwise
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # the trained weights' dtype
     gradient_checkpointing: bool = False  # recompute each layer's activations in the backward: less memory
 
 
 class StageSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    optimizer: OptimizerSettings = msgspec.field(default_factory=OptimizerSettings)
-    schedule: ScheduleSettings = msgspec.field(default_factory=ScheduleSettings)
-    objective: ObjectiveSettings = msgspec.field(default_factory=ObjectiveSettings)
-    compute: ComputeSettings = msgspec.field(default_factory=ComputeSettings)
+    optimizer: OptimizerSettings = msgspec.field(default_factory=OptimizerSettings)  # [learner.X.optimizer]
+    schedule: ScheduleSettings = msgspec.field(default_factory=ScheduleSettings)  # [learner.X.schedule]
+    objective: ObjectiveSettings = msgspec.field(default_factory=ObjectiveSettings)  # [learner.X.objective]
+    compute: ComputeSettings = msgspec.field(default_factory=ComputeSettings)  # [learner.X.compute]
     epochs: PosInt = 1  # passes over a step's batch
     minibatches: PosInt = 1  # optimizer steps per pass
     seed: int = 0  # torch, numpy and random, seeded when the stage starts (and the SFT plan's order); [experiment].seed by default

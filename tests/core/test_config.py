@@ -456,3 +456,27 @@ def test_the_sandbox_backend_selects_its_tables():
         quickstart(['sandbox.backend="docker"', "sandbox.local.open_files=10"])
     with pytest.raises(cfg.ConfigError, match=r"unknown field max_turns"):
         quickstart(["sandbox.local.max_turns=3"])  # one place: [sandbox] max_turns
+
+
+def test_every_setting_says_what_it_is():
+    """Each field of every settings struct has its line of doc beside it (a comment on its line or just above), so
+    the source a user is pointed at explains the setting. Harbor's task.toml schema (tasks.py) is Harbor's."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    missing = []
+    for path in [*sorted((root / "pipeline").rglob("*.py")), *sorted((root / "actors").rglob("*.py"))]:
+        if path.name == "tasks.py":
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            bases = [ast.unparse(b) for b in node.bases] if isinstance(node, ast.ClassDef) else []
+            if not (isinstance(node, ast.ClassDef) and (node.name.endswith("Settings") or "Section" in bases)):
+                continue
+            for st in node.body:
+                if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+                    above = lines[st.lineno - 2].strip()
+                    if "#" not in lines[st.end_lineno - 1] and not above.startswith("#"):
+                        missing.append(f"{path.relative_to(root)}:{st.lineno} {node.name}.{st.target.id}")
+    assert not missing, "settings without a line of doc:\n" + "\n".join(missing)

@@ -35,7 +35,7 @@ class DockerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # cpus, memory, pids: for a task that gives none in its [environment], and the most one may ask (capped here).
     cpus: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     memory: str = "2g"  # hard limit (swap included); the kernel OOM-kills the harness above it
-    pids: Annotated[int, msgspec.Meta(gt=0)] = 512
+    pids: Annotated[int, msgspec.Meta(gt=0)] = 512  # processes in the container, at most
     # The agent's network, whatever the task's allow_internet says. none: loopback only, the proxy through the
     # mounted socket + forwarder; bridge: also the outside network; host: the host's network namespace, the harness
     # uses proxy_url directly (no isolation).

@@ -74,7 +74,7 @@ class RaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``[sandbox.docker]``'s (each node runs the Docker backend)."""
 
     address: str = "auto"  # ray.init's address: "auto" (the cluster this machine joined with `ray start`), host:port
-    namespace: str = "bridle"
+    namespace: str = "bridle"  # the Ray namespace of bridle's actors
     resource: str = "bridle_docker"  # the custom resource of a node with Docker: one unit per sandbox it may hold
     resources: dict[str, float] = msgspec.field(default_factory=dict)  # more per rollout (e.g. a node-type label)
     num_cpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # Ray CPUs per rollout (the container's are Docker's)
