@@ -8,20 +8,22 @@ from __future__ import annotations
 
 import json
 import time
+import tomllib
 from pathlib import Path
-from typing import Annotated, Any, TextIO
+from typing import Annotated, Any, Literal, TextIO
 
 import anyio
 import msgspec
 
 from pipeline.core import logs
-from pipeline.core.config import Section
+from pipeline.core.config import ConfigError, Section
 from pipeline.core.runtime import Actor
 from pipeline.messages import Metric, RolloutFinished
 from pipeline.monitor.display import step_fields
 from pipeline.monitor.metrics import record
 from pipeline.monitor.plots import write_plots
 from pipeline.monitor.state import MonitorState, absorb
+from pipeline.monitor.trackers import TrackerName, Trackers, tracker_problem
 from pipeline.monitor.view import Display, LiveView, LogView, open_view
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -34,7 +36,16 @@ class MonitorSettings(Section):
     refresh_s: Seconds = 1.0  # live display redraws
     progress_s: Seconds = 30.0  # at most one progress log line per this many seconds (and one per phase change)
     plots: bool = True  # write plots.png (and sft.png) at the end
+    # every metric also in TensorBoard (<run>/tensorboard) and/or Weights & Biases (pipeline/monitor/trackers.py)
+    trackers: list[TrackerName] = msgspec.field(default_factory=list)
+    wandb_project: str = "bridle"  # the W&B project
+    # offline: files under <run>/wandb, uploaded later with `wandb sync`; online: uploaded as the run goes
+    wandb_mode: Literal["offline", "online"] = "offline"
     reloadable = frozenset({"refresh_s", "progress_s"})
+
+    def check(self, name: str, exp: Any) -> None:
+        if why := tracker_problem(list(self.trackers)):
+            raise ConfigError(f"{exp.source}: [{name}].{why}")
 
 
 class Monitor(Actor[MonitorSettings]):
@@ -49,6 +60,7 @@ class Monitor(Actor[MonitorSettings]):
         self.state = MonitorState(run_name=self.run_dir.name, t0=time.time())
         path = self.run_dir / "metrics.jsonl"
         self.view = open_view(self.config.display, logs.console(), self.log, self.config.progress_s)
+        trackers = await anyio.to_thread.run_sync(self._trackers) if self.config.trackers else None
         # held open for the whole run (one short line per metric); closed in the finally below
         f: TextIO = open(path, "a", encoding="utf-8")  # noqa: ASYNC230, SIM115
         try:
@@ -59,18 +71,26 @@ class Monitor(Actor[MonitorSettings]):
                 async for msg in self.messages():
                     if isinstance(msg, RolloutFinished):
                         self.state.outcomes.add(msg)
+                        if trackers is not None:
+                            trackers.status(msg.status)
                         continue
                     if not isinstance(msg, Metric):
                         continue
                     now = time.time()
-                    f.write(json.dumps(record(msg, now)) + "\n")
+                    row = record(msg, now)
+                    f.write(json.dumps(row) + "\n")
                     f.flush()
+                    if trackers is not None:
+                        trackers.row(row)
                     absorb(self.state, msg, now)
                     if msg.kind == "rl_step":
                         self.log.info("step", **step_fields(msg.step, msg.values))
                 tg.cancel_scope.cancel()
         finally:
             f.close()
+            if trackers is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(trackers.close)
             if self.view is not None:
                 self.view.close(self.state, time.time())
             if self.state.outcomes.none_succeeded:
@@ -78,6 +98,15 @@ class Monitor(Actor[MonitorSettings]):
             if self.config.plots:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self._plots, path)
+
+    def _trackers(self) -> Trackers:
+        """The trackers, given the run's resolved config (config.toml, written before any actor starts)."""
+        assert self.run_dir is not None
+        path = self.run_dir / "config.toml"
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        config = tomllib.loads(text) if text else {}
+        return Trackers(list(self.config.trackers), self.run_dir, config, text,
+                        wandb_project=self.config.wandb_project, wandb_mode=self.config.wandb_mode)
 
     async def _ticker(self, view: LiveView | LogView) -> None:
         while True:

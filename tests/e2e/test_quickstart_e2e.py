@@ -27,7 +27,7 @@ def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):
         f'run.model="{model}"', "experiment.build_model.tasks=60",
         "scheduler.sft_groups=16", "tree.sft_pack=8", "learner.sft_epochs=2",
         "run.steps=2", "scheduler.group_size=3", "run.groups_per_step=2", "scheduler.tasks.count=40",
-        'monitor.display="off"',
+        'monitor.display="off"', 'monitor.trackers=["tensorboard", "wandb"]',
     ]
     args = ["--experiment", "quickstart", "--run-dir", str(run_dir), "--no-watch"]
     for s in sets:
@@ -46,6 +46,19 @@ def test_short_quickstart_then_replay_stages_reproduce_hashes(tmp_path):
     assert all(m["source"] == "learner.rl" for m in rl)  # metrics.jsonl keeps who sent it
     sft = [m for m in metrics if m["kind"] == "sft_update"]
     assert len(sft) == 2 * 2 and {m["sft_updates"] for m in sft} == {4}  # 2 packs x 2 epochs, announced
+    # the trackers got what metrics.jsonl holds, each kind against its own step, and the resolved config
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.helpers.wandb_offline import offline_runs
+
+    ea = EventAccumulator(str(run_dir / "tensorboard"))
+    ea.Reload()
+    assert [(e.step, e.value) for e in ea.Scalars("rl_step/reward")] == [(m["step"], m["reward"]) for m in rl]
+    assert [e.step for e in ea.Scalars("sft_update/loss")] == [1, 2, 3, 4]
+    assert ea.Scalars("rollouts/ok")[-1].value >= 1
+    (wb,) = offline_runs(run_dir)
+    assert wb["config"]["run"]["steps"] == 2 and wb["config"]["learner"]["train"]["optimizer"]["lr"] == 5e-4
+    assert [h["rl_step/reward"] for h in wb["history"] if "rl_step/reward" in h] == [m["reward"] for m in rl]
     # demonstrations come from their own task set ([scheduler].sft_tasks), training from the pool
     from pipeline.core.eventlog import EventLogReader
     from pipeline.messages import RolloutRequest
