@@ -59,4 +59,4 @@ class TreeBuilder(Actor[TreeSettings]):
         n = max(1, len(done.build.summaries))
         v.update({f"tree_{k}": val / n if k == "attach_rate" else val for k, val in sums.items()})
         v["group_dropped"] = float(isinstance(done.message, GroupDropped))
-        return Metric(source=self.name, kind="tree", values=v)
+        return Metric(source=self.name, kind="tree", values=v, harness=done.rollouts[0].request.harness)

@@ -448,6 +448,9 @@ class Metric(_Msg, kw_only=True):
     # What a person must know about these numbers, one line each in bridle's own words (never text a sandbox
     # wrote): e.g. an RL step that could not learn. The sender logs them; the monitor writes and shows them.
     warnings: list[str] = msgspec.field(default_factory=list)
+    # what the numbers are about, when one run has several (the tree builder's group: its harness), so readers can
+    # split them (metrics.jsonl keeps it as a field; trackers name the scalars <kind>/<harness>/<value>)
+    harness: str = ""
 
 
 class ActorStopped(_Msg, kw_only=True):

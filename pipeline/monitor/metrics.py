@@ -27,7 +27,9 @@ def record(msg: Metric, now: float) -> dict[str, Any]:
     head: dict[str, Any] = {"t": msg.t or now, "source": msg.source, "kind": msg.kind, "step": msg.step}
     if msg.warnings:
         head["warnings"] = list(msg.warnings)
-    own = {*head, "warnings"}
+    if msg.harness:
+        head["harness"] = msg.harness
+    own = {*head, "warnings", "harness"}
     return head | {(f"value_{k}" if k in own else k): v for k, v in msg.values.items()}
 
 

@@ -3,7 +3,8 @@ config, also in TensorBoard and/or Weights & Biases, so a bridle run sits next t
 
 - Each row of kind K becomes scalars ``K/<value>`` against ``K``'s own step: the RL step for ``rl_step``, the SFT
   update for ``sft_update``, the evaluation round's step for ``eval`` (pass@k per column, harness and family, as
-  the evaluator sends them), and a running count for per-event kinds (``rollout``, ``tree``, ``scheduler``, ...).
+  the evaluator sends them), and a running count for per-event kinds (``rollout``, ``scheduler``, ...); the tree
+  builder's rows are per harness: ``tree/<harness>/<value>`` (trainable and sampled tokens, attach rate, drops).
 - Rollout statuses: ``rollouts/<status>`` (counted since the start) at every RL step.
 - The resolved config: W&B's run config; TensorBoard's ``config`` text.
 - Notes (``note``): the learner's step warnings, written as text at their step.
@@ -39,10 +40,11 @@ def tracker_problem(names: list[str]) -> str:
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
-    """The numbers of a metrics.jsonl row, named ``<kind>/<value>`` (its bookkeeping fields left out)."""
-    kind = row["kind"]
-    return {f"{kind}/{k}": float(v) for k, v in row.items()
-            if k not in ("t", "source", "kind", "step", "warnings") and isinstance(v, (int, float))
+    """The numbers of a metrics.jsonl row, named ``<kind>/<value>``, or ``<kind>/<harness>/<value>`` for a row about
+    one harness (the tree builder's groups); its bookkeeping fields left out."""
+    prefix = "/".join(x for x in (row["kind"], row.get("harness", "")) if x)
+    return {f"{prefix}/{k}": float(v) for k, v in row.items()
+            if k not in ("t", "source", "kind", "step", "warnings", "harness") and isinstance(v, (int, float))
             and not isinstance(v, bool)}
 
 
@@ -93,7 +95,10 @@ class WandbTracker:
         self.run.log({f"{tag}/_step": step, tag: text})
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # waits for W&B's service to have written everything (a loaded machine lost the last row)
 
 
 class Trackers:
@@ -114,17 +119,18 @@ class Trackers:
 
     def row(self, row: dict[str, Any]) -> None:
         kind = row["kind"]
+        axis = "/".join(x for x in (kind, row.get("harness", "")) if x)
         if kind in STEPPED:
             step = int(row.get("sft_update", row["step"])) if kind == "sft_update" else int(row["step"])
         else:
-            self.rows[kind] += 1
-            step = self.rows[kind]
+            self.rows[axis] += 1
+            step = self.rows[axis]
         values = scalars(row)
         if kind == "rl_step":
             values |= {f"rollouts/{s}": float(n) for s, n in self.statuses.items()}
         for t in self.trackers:
             if values:
-                t.log(values, kind, step)
+                t.log(values, axis, step)
             for w in row.get("warnings", []):
                 t.note(f"{kind}/warnings", w, step)
 

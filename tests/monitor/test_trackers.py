@@ -15,6 +15,9 @@ ROWS = [
     {"t": 0, "source": "sandbox", "kind": "rollout", "step": -1, "reward": 1.0, "ok": 1},
     {"t": 0, "source": "learner.rl", "kind": "rl_step", "step": 1, "reward": 0.5, "warnings": ["no spread"]},
     {"t": 0, "source": "eval", "kind": "eval", "step": 1, "pass@1/overall": 0.25},
+    {"t": 0, "source": "tree", "kind": "tree", "step": -1, "harness": "codex", "tree_tokens_trainable": 40},
+    {"t": 0, "source": "tree", "kind": "tree", "step": -1, "harness": "claude-code", "tree_tokens_trainable": 7},
+    {"t": 0, "source": "tree", "kind": "tree", "step": -1, "harness": "codex", "tree_tokens_trainable": 42},
     {"t": 0, "source": "learner.rl", "kind": "rl_step", "step": 2, "reward": 0.75},
 ]
 
@@ -31,6 +34,8 @@ def feed(run_dir: Path, names, rows=ROWS, statuses=("ok", "ok", "timeout")):
 def test_rows_become_scalars_named_by_kind():
     assert scalars(ROWS[2]) == {"rl_step/reward": 0.5}  # step, t, source, warnings are bookkeeping
     assert scalars({"kind": "tree", "step": -1, "ok": True, "n": 2}) == {"tree/n": 2.0}
+    assert scalars({"kind": "tree", "step": -1, "harness": "codex", "tree_tokens_trainable": 9}) == {
+        "tree/codex/tree_tokens_trainable": 9.0}  # a row about one harness
 
 
 def test_a_missing_package_is_named_with_the_install_command(monkeypatch):
@@ -54,6 +59,8 @@ def test_tensorboard_gets_every_kind_against_its_own_step(tmp_path):
     assert got["eval/pass@1/overall"] == [(1, 0.25)]
     assert got["rollouts/ok"] == [(1, 2.0), (2, 2.0)] and got["rollouts/timeout"] == [(1, 1.0), (2, 1.0)]
     assert got["rollout/reward"] == [(1, 1.0)]  # per-event kinds: counted
+    assert got["tree/codex/tree_tokens_trainable"] == [(1, 40.0), (2, 42.0)]  # per harness, each its own count
+    assert got["tree/claude-code/tree_tokens_trainable"] == [(1, 7.0)]
     assert {"config/text_summary", "rl_step/warnings/text_summary"} <= set(ea.Tags()["tensors"])
 
 
