@@ -18,7 +18,7 @@ import msgspec
 from pipeline.core import logs
 from pipeline.core.config import ConfigError, Section
 from pipeline.core.runtime import Actor
-from pipeline.messages import Metric, RolloutFinished
+from pipeline.messages import ConfigChanged, Metric, RolloutFinished
 from pipeline.monitor.display import step_fields
 from pipeline.monitor.metrics import record
 from pipeline.monitor.plots import write_plots
@@ -53,6 +53,7 @@ class Monitor(Actor[MonitorSettings]):
     outputs = ()
 
     view: LiveView | LogView | None = None
+    trackers: Trackers | None = None
     _wake: anyio.Event | None = None  # set to redraw now (a changed refresh_s)
 
     async def run(self) -> None:
@@ -60,7 +61,7 @@ class Monitor(Actor[MonitorSettings]):
         self.state = MonitorState(run_name=self.run_dir.name, t0=time.time())
         path = self.run_dir / "metrics.jsonl"
         self.view = open_view(self.config.display, logs.console(), self.log, self.config.progress_s)
-        trackers = await anyio.to_thread.run_sync(self._trackers) if self.config.trackers else None
+        trackers = self.trackers = await anyio.to_thread.run_sync(self._trackers) if self.config.trackers else None
         # held open for the whole run (one short line per metric); closed in the finally below
         f: TextIO = open(path, "a", encoding="utf-8")  # noqa: ASYNC230, SIM115
         try:
@@ -98,6 +99,12 @@ class Monitor(Actor[MonitorSettings]):
             if self.config.plots:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self._plots, path)
+
+    async def on_reload(self, change: ConfigChanged) -> None:
+        if self.trackers is not None:
+            text = (f"[{change.section}] {change.changes}" if change.accepted
+                    else f"refused, nothing applied: {change.reason}")
+            self.trackers.note("config/reload", text, self.state.rl_steps_done)
 
     def _trackers(self) -> Trackers:
         """The trackers, given the run's resolved config (config.toml, written before any actor starts)."""

@@ -133,6 +133,10 @@ class Actor(Generic[C]):
         """Called on every actor when reloadable fields of ``[run]`` change; ``self.ctx.run`` is already ``new``.
         Override to react (most actors just read ``self.ctx.run`` when they need it)."""
 
+    async def on_reload(self, change: ConfigChanged) -> None:
+        """Called on every actor for each hot reload, applied or refused (the monitor records it); before the
+        changed actors' ``on_config``."""
+
     async def send(self, output: str, msg: Message) -> None:
         await self.out[output].send(msg)
 
@@ -495,3 +499,5 @@ class Supervisor:
     async def _record(self, msg: ConfigChanged) -> None:
         if self.eventlog is not None:
             await self.eventlog.record("config", msg)
+        for actor in self.actors.values():
+            await actor.on_reload(msg)

@@ -7,7 +7,8 @@ config, also in TensorBoard and/or Weights & Biases, so a bridle run sits next t
   builder's rows are per harness: ``tree/<harness>/<value>`` (trainable and sampled tokens, attach rate, drops).
 - Rollout statuses: ``rollouts/<status>`` (counted since the start) at every RL step.
 - The resolved config: W&B's run config; TensorBoard's ``config`` text.
-- Notes (``note``): the learner's step warnings, written as text at their step.
+- Notes (``note``): the learner's step warnings, and every hot reload of the experiment file (``config/reload``:
+  the changed fields, or why the change was refused), written as text at the RL step they came at.
 
 TensorBoard writes ``<run>/tensorboard``. W&B runs offline by default (``wandb_mode``): files under ``<run>/wandb``,
 uploaded later with ``wandb sync <run>/wandb/offline-run-*``; its run id is the run folder's (``wandb-id``), so a
@@ -133,6 +134,11 @@ class Trackers:
                 t.log(values, axis, step)
             for w in row.get("warnings", []):
                 t.note(f"{kind}/warnings", w, step)
+
+    def note(self, tag: str, text: str, step: int) -> None:
+        """A line of text at ``step`` (a hot reload: ``config/reload``)."""
+        for t in self.trackers:
+            t.note(tag, text, step)
 
     def status(self, status: str) -> None:
         self.statuses[status] += 1

@@ -179,6 +179,12 @@ async def test_reload_refuses_fixed_fields_and_invalid_files(tmp_path):
     exp = cfg.load_experiment(p, resolve)
     sup = Supervisor(exp, resolve, None, config_path=p, handle_signals=False)
     scale = sup.actors["scale"]
+    told = []  # every actor hears of every reload, applied or not (the monitor's trackers record them)
+
+    async def heard(change):
+        told.append((change.section, change.accepted))
+
+    scale.on_reload = heard
     text = p.read_text()
     p.write_text(text.replace("factor = 3.0", 'factor = 9.0\nmode = "add"'))
     assert not await sup.reload()
@@ -188,6 +194,7 @@ async def test_reload_refuses_fixed_fields_and_invalid_files(tmp_path):
     p.write_text(text.replace("factor = 3.0", "factor = 9.0"))
     assert await sup.reload()
     assert scale.config.factor == 9.0 and sup.refusals == 2 and sup.reloads == 1
+    assert told == [("*", False), ("*", False), ("scale", True)]
 
 
 async def test_concurrent_sends_to_a_finished_receiver_do_not_crash():

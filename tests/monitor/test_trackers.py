@@ -77,3 +77,24 @@ def test_wandb_offline_keeps_config_history_and_one_run_across_a_resume(tmp_path
     assert any(h.get("rl_step/warnings") == "no spread" for h in rows)
     assert any(h.get("eval/pass@1/overall") == 0.25 for h in rows)
     assert any(h.get("rollouts/ok") == 2 for h in rows)
+
+
+@pytest.mark.anyio
+async def test_a_hot_reload_is_a_note_at_the_current_step(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from actors.monitor import Monitor, MonitorSettings
+    from pipeline.messages import ConfigChanged
+    from pipeline.monitor.state import MonitorState
+
+    mon = Monitor("monitor", MonitorSettings(trackers=["tensorboard"]))
+    mon.state = MonitorState(run_name="r", t0=0.0, rl_steps_done=3)
+    mon.trackers = Trackers(["tensorboard"], tmp_path, CONFIG, "")
+    await mon.on_reload(ConfigChanged(section="scheduler", changes={"temperature": 0.7}))
+    await mon.on_reload(ConfigChanged(section="*", changes={}, accepted=False, reason="fixed field(s) changed"))
+    mon.trackers.close()
+    ea = EventAccumulator(str(tmp_path / "tensorboard"))
+    ea.Reload()
+    notes = [(e.step, e.tensor_proto.string_val[0].decode()) for e in ea.Tensors("config/reload/text_summary")]
+    assert notes == [(3, "[scheduler] {'temperature': 0.7}"), (3, "refused, nothing applied: fixed field(s) changed")]
