@@ -36,6 +36,7 @@ EXAMPLES: list[tuple[str, str]] = [
     ("python run.py --eval --experiment quickstart", "evaluate [run].model (here the untrained base policy)"),
     ("python run.py --compare EVAL_A EVAL_B", "two evaluations side by side, differences paired over common pairs"),
     ("python run.py --replay LOG --eval", "every evaluation round of a recorded run, recomputed from its log"),
+    ("python run.py --view RUN_DIR", "a static site to read its rollouts in a browser: RUN_DIR/view/index.html"),
     ("python run.py --build-images", "build the Docker sandbox images (needs a Docker engine)"),
 ]
 EPILOG = (
@@ -100,6 +101,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "harness; with --calls the tree call by call; with --json one JSON object",
     )
     p.add_argument(
+        "--view",
+        metavar="RUN_OR_LOG",
+        help="write a static site of a run (or any event log: an evaluation, a --serve recording) that opens from "
+        "disk: curves and a filterable table of rollouts, and a page per rollout (its tree, each call's request "
+        "decoded, tool calls, output tokens coloured by whether they were trained); into --out or RUN/view",
+    )
+    p.add_argument("--out", metavar="DIR", help="with --view: where the site goes")
+    p.add_argument(
         "--serve",
         action="store_true",
         help="with --experiment: start only the engine and the proxy, print one JSON line with openai_base_url, "
@@ -163,6 +172,15 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline.cli.evaluate import compare
 
             print(compare(Path(args.compare[0]), Path(args.compare[1])))
+            return 0
+        if args.view:
+            from pipeline.cli.view import write_site
+
+            try:
+                print(f"wrote {write_site(Path(args.view), Path(args.out) if args.out else None)}")
+            except FileNotFoundError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             return 0
         if args.replay:
             return replay(args, resolve)
