@@ -119,11 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--build-images",
         action="store_true",
         help="build (or confirm up to date) the Docker sandbox images: a debootstrap base, the white-box, Claude "
-        "Code and Codex images; idempotent; needs a running Docker engine and, for the npm harnesses, "
+        "Code, Codex, Qwen Code and OpenClaw images; idempotent; needs a running Docker engine and, for the npm harnesses, "
         "BRIDLE_HARNESS_BIN (see harness_images/ci_setup.sh)",
     )
     _evaluation_args(p)
-    p.add_argument("--validate", action="store_true", help="check the experiment file and exit")
+    p.add_argument("--validate", action="store_true",
+                   help="check the experiment file and what it needs from this machine (model, images, harnesses, "
+                   "engine), print the resolved graph and exit; with --eval, the evaluation's graph")
     p.add_argument("--no-watch", action="store_true", help="do not watch the experiment file for changes")
     p.add_argument(
         "--resume",

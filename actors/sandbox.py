@@ -52,10 +52,12 @@ class SandboxSettings(SandboxCommon):
         for table, default in (("local", LocalSettings()), ("docker", DockerSettings()), ("ray", RaySettings())):
             if table not in BACKEND_TABLES[self.backend] and getattr(self, table) != default:
                 readers = " or ".join(f'"{b}"' for b, tables in BACKEND_TABLES.items() if table in tables)
+                field = next(f.name for f in msgspec.structs.fields(default)
+                             if getattr(getattr(self, table), f.name) != getattr(default, f.name))
                 raise ConfigError(
-                    f'{exp.source}: [{name}.{table}] is read by backend = {readers} only; this pool is backend = '
-                    f'"{self.backend}". Remove the table, or set backend = {readers.split(" or ")[0]} (what every '
-                    f"backend reads, such as max_turns, is [{name}]'s own)")
+                    f'{exp.source}: [{name}.{table}] {field} is set, but [{name}.{table}] is read by backend = '
+                    f'{readers} only, and [{name}].backend = "{self.backend}". Remove it, or set backend = '
+                    f"{readers.split(' or ')[0]} (what every backend reads, such as max_turns, is [{name}]'s own)")
         if self.backend == "ray":
             try:
                 self.ray.check(f"[{name}.ray]")

@@ -8,8 +8,8 @@ arguments (what `create_word`'s verifier checks after the harness executes that 
 holds the asked word). The groups then go through the real tree builder (`pipeline.trees.packing.build_group`) and the
 real `Learner.train_step`, so advantages, loss aggregation, KL, clipping and the optimizer are the shipped code.
 What it leaves out: the harness's later turns (the "Done." answer after the tool result), the sandbox, staleness.
-It reproduced the pipeline's behaviour closely enough to choose the quickstart's settings (README, "Quickstart:
-what to expect"); confirm any change with `benchmarks/quickstart_learning.py`.
+It reproduced the pipeline's behaviour closely enough to choose the quickstart's settings (configs/quickstart.toml);
+confirm any change with `benchmarks/quickstart_learning.py`.
 
     python benchmarks/grpo_sim.py --run runs/<a quickstart run> [--seeds 0 1 2] [--steps 30] [--groups 8]
         [--group-size 8] [--set lr=5e-4 --set kl_coef=0.05 ...]   # any [learner.train] field, by its flat name (stage_settings)

@@ -83,9 +83,8 @@ def test_readme_stays_a_users_page():
 
 
 TOML_BLOCK = re.compile(r"```toml\n(.*?)```", re.DOTALL)
-# What the snippets name on a user's machine, here: a task folder and an event log that exist.
-PLACEHOLDERS = {"/data/tasks": str(ROOT / "tests" / "data" / "harbor"),
-                "/data/teacher-eval/events.msgpack": str(ROOT / "tests" / "data" / "quickstart.events.msgpack.gz")}
+# What the snippets name on a user's machine, here: a task folder and an event log (the recorded fixture, unpacked).
+PLACEHOLDERS = {"/data/tasks": str(ROOT / "tests" / "data" / "harbor"), "/data/teacher-eval/events.msgpack": ""}
 
 
 def _merge(base: dict, top: dict) -> dict:
@@ -95,7 +94,7 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-def test_every_toml_snippet_in_the_docs_validates(monkeypatch):
+def test_every_toml_snippet_in_the_docs_validates(monkeypatch, tmp_path):
     """A snippet with [run] or [experiment] is a whole experiment file; any other is a fragment of one, laid over
     configs/quickstart.toml. Either way it must load as written (only the task folder's path is substituted, and
     the judge's key variable set)."""
@@ -106,13 +105,20 @@ def test_every_toml_snippet_in_the_docs_validates(monkeypatch):
     from pipeline.core.runtime import make_resolver
 
     monkeypatch.setenv("JUDGE_API_KEY", "set-by-the-test")
+    import gzip
+    import shutil
+
+    log = tmp_path / "events.msgpack"
+    with gzip.open(ROOT / "tests" / "data" / "quickstart.events.msgpack.gz") as src, open(log, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    here = {**PLACEHOLDERS, "/data/teacher-eval/events.msgpack": str(log)}
     resolve = make_resolver(REGISTRY)
     quickstart = tomllib.loads((ROOT / "configs" / "quickstart.toml").read_text(encoding="utf-8"))
     checked = 0
     for doc in docs():
         for block in TOML_BLOCK.findall(doc.read_text(encoding="utf-8")):
-            for placeholder, here in PLACEHOLDERS.items():
-                block = block.replace(placeholder, here)
+            for placeholder, path in here.items():
+                block = block.replace(placeholder, path)
             raw = tomllib.loads(block)
             whole = "run" in raw or "experiment" in raw
             try:

@@ -234,7 +234,7 @@ def _literals(typ: Any) -> list[Any]:
     return [v for arg in typing.get_args(typ) for v in _literals(arg)]
 
 
-def _hint(typ: type, path: list[str], what: str) -> tuple[str, str | None]:
+def _hint(typ: type, path: list[str], what: str, section: str = "") -> tuple[str, str | None]:
     """(what to add to the message, the unknown field's name or None): close names for an unknown field, the
     allowed values for a wrong one."""
     if (m := _UNKNOWN.match(what)) is not None:
@@ -250,6 +250,9 @@ def _hint(typ: type, path: list[str], what: str) -> tuple[str, str | None]:
                   if (sub := _struct_in(f.type)) is not None for g in msgspec.structs.fields(sub)}
         if inner := [dotted for dotted, leaf in nested.items() if leaf == name]:
             return f"; it is in one of its tables: {' or '.join(inner)}", name
+        outer = _struct_in(_struct_at(typ, path[:-1])) if path else None
+        if outer is not None and name in {f.encode_name for f in msgspec.structs.fields(outer)}:
+            return f"; it is [{'.'.join([section, *path[:-1]])}]'s own: {name}", name
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.6) or [
             dotted for leaf in difflib.get_close_matches(name, list(nested.values()), n=3, cutoff=0.6)
             for dotted, other in nested.items() if other == leaf]
@@ -268,7 +271,7 @@ def _explain(source: str, section: str, err: msgspec.ValidationError, overrides:
     bare = re.sub(r"\[\d+\]", "", field_path)  # list indices dropped: the field names the types are found by
     parts = bare.split(".") if bare else []
     what = what.replace("`", "")
-    hint, unknown = _hint(typ, parts, what)
+    hint, unknown = _hint(typ, parts, what, section)
     where = f"[{section}]" + (f".{field_path}" if field_path else "")
     what = what[0].lower() + what[1:] + hint
     key = ".".join([section, *parts, *([unknown] if unknown else [])])

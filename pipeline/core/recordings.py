@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.core.eventlog import EventLogReader
+from pipeline.core.eventlog import MAGIC, EventLogReader
 from pipeline.messages import CallFailed, ModelCall, RolloutFinished, RolloutRequest, SettledRollout
 
 
@@ -91,6 +91,11 @@ class Recordings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if missing:
             return (f"logs: no such file {', '.join(map(repr, missing))} (give a run folder's events.msgpack, or the "
                     "log a --serve session wrote)")
+        for p in self.logs:
+            with open(p, "rb") as f:
+                head = f.read(len(MAGIC))
+            if head != MAGIC:
+                return f"logs: {p!r} is not a bridle event log (it does not start with {MAGIC!r})"
         return ""
 
 

@@ -85,7 +85,7 @@ def engine_problem(s: EngineSettings) -> str:
         if f.name in COMMON_FIELDS or f.name in KIND_FIELDS[s.kind] or getattr(s, f.name) == getattr(defaults, f.name):
             continue
         owners = " or ".join(f'"{k}"' for k, names in KIND_FIELDS.items() if f.name in names)
-        return (f'[engine].{f.name} is read by kind = {owners} only; this engine is kind = "{s.kind}". Remove it, or '
+        return (f'[engine].{f.name} is read by kind = {owners} only, and [engine].kind = "{s.kind}". Remove it, or '
                 f"replace the whole table to change the kind: --set 'proxy.engine={{kind=\"{s.kind}\", ...}}'")
     return ""
 

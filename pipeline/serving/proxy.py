@@ -60,6 +60,7 @@ from pipeline.serving.http_server import HttpServer, Request, Response, Stream, 
 from pipeline.serving.labels import detect_label
 from pipeline.serving.scripted import Script, ScriptedEngine, ScriptResponse
 from pipeline.serving.streaming import finish_stream, watch_engine
+from pipeline.serving.teacher import api_key_from
 from pipeline.serving.trace import call_trace
 from pipeline.serving.wire import PROTOCOLS, ErrorKind, Protocol, Reply, StreamState
 from pipeline.tokens.conversation import Conversation
@@ -116,6 +117,13 @@ class ProxySettings(Section):
 
     def check(self, name: str, exp: Any) -> None:
         if self.engine.kind == "openai":
+            if not self.engine.url or not self.engine.served_model:
+                raise ConfigError(f'{exp.source}: [{name}.engine] kind = "openai" needs url (the endpoint\'s base URL, '
+                                  "e.g. http://host:8000/v1) and served_model (the model name it serves)")
+            try:
+                api_key_from(self.engine.api_key_env)
+            except ValueError as e:
+                raise ConfigError(f"{exp.source}: {str(e).replace('[proxy.engine]', f'[{name}.engine]')}") from None
             learner = exp.kind_section("learner")
             if learner is not None:
                 raise ConfigError(

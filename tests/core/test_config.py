@@ -416,6 +416,10 @@ def test_a_teacher_engine_records_and_is_never_trained_on(tmp_path):
     assert exp.kind_section("learner") is None and what == "the teacher 't' at http://127.0.0.1:9/v1"
     with pytest.raises(cfg.ConfigError, match="workers cannot reach"):
         cfg.load_experiment("serve", resolve, [teacher, "proxy.workers=2"])
+    with pytest.raises(cfg.ConfigError, match=r"needs url .* and served_model"):
+        cfg.load_experiment("serve", resolve, ['proxy.engine={kind="openai", url="http://127.0.0.1:9/v1"}'])
+    with pytest.raises(cfg.ConfigError, match=r"api_key_env = 'BRIDLE_TEST_UNSET_KEY': the environment variable is"):
+        cfg.load_experiment("serve", resolve, [teacher.replace("}", ', api_key_env="BRIDLE_TEST_UNSET_KEY"}')])
 
 
 def test_recorded_runs_are_demonstrations_enough_for_a_cold_start(tmp_path):
@@ -426,13 +430,19 @@ def test_recorded_runs_are_demonstrations_enough_for_a_cold_start(tmp_path):
     with pytest.raises(cfg.ConfigError, match=r"\[scheduler\].sft_recordings: logs: no such file"):
         quickstart([*cold, f'scheduler.sft_recordings={{logs=["{log}"]}}'])
     log.write_bytes(b"")
+    with pytest.raises(cfg.ConfigError, match=r"is not a bridle event log"):
+        quickstart([*cold, f'scheduler.sft_recordings={{logs=["{log}"]}}'])
+    from pipeline.core.eventlog import MAGIC
+
+    log.write_bytes(MAGIC)
     quickstart([*cold, f'scheduler.sft_recordings={{logs=["{log}"], min_reward=0.5}}'])
 
 
 def test_the_engine_kind_selects_its_fields():
     """A field another kind reads is refused, naming that kind and how to switch kinds (replace the table)."""
-    with pytest.raises(cfg.ConfigError, match=r'\[proxy.engine\].threads is read by kind = "embedded" '
-                                              r'only; this engine is kind = "sglang".*replace the whole table'):
+    with pytest.raises(cfg.ConfigError, match=r'\[proxy.engine\].threads is read by kind = "embedded" only, and '
+                                              r'\[proxy.engine\].kind = "sglang".*replace the whole table.*'
+                                              r'\(from --set proxy.engine.kind="sglang"\)'):
         quickstart(['proxy.engine.kind="sglang"'])
     with pytest.raises(cfg.ConfigError, match=r'\[proxy.engine\].url is read by kind = "sglang" or "openai" only'):
         quickstart(['proxy.engine.url="http://127.0.0.1:30000"'])
@@ -449,12 +459,13 @@ def test_the_sandbox_backend_selects_its_tables():
     a backend the pool does not use is refused, naming the backend that reads it."""
     exp = quickstart(['sandbox.backend="docker"'])
     assert exp.sections["sandbox"].max_turns == 4  # the quickstart's, kept across the switch
-    with pytest.raises(cfg.ConfigError, match=r'\[sandbox.docker\] is read by backend = "docker" or "ray" only; this '
-                                              r'pool is backend = "local"'):
+    with pytest.raises(cfg.ConfigError, match=r'\[sandbox.docker\] cpus is set, but \[sandbox.docker\] is read by '
+                                              r'backend = "docker" or "ray" only, and \[sandbox\].backend = "local".*'
+                                              r"\(from --set sandbox.docker.cpus=2.0\)"):
         quickstart(['sandbox.docker.cpus=2.0'])
-    with pytest.raises(cfg.ConfigError, match=r'\[sandbox.local\] is read by backend = "local" only'):
+    with pytest.raises(cfg.ConfigError, match=r'\[sandbox.local\] open_files is set, but .* backend = "local" only'):
         quickstart(['sandbox.backend="docker"', "sandbox.local.open_files=10"])
-    with pytest.raises(cfg.ConfigError, match=r"unknown field max_turns"):
+    with pytest.raises(cfg.ConfigError, match=r"unknown field max_turns; it is \[sandbox\]'s own: max_turns"):
         quickstart(["sandbox.local.max_turns=3"])  # one place: [sandbox] max_turns
 
 
