@@ -4,14 +4,16 @@
 # for the harness images, BRIDLE_HARNESS_BIN pointing at an npm node_modules/.bin that holds the harnesses and the
 # private Node (.ci/run installs them); without it they are installed with npm under ~/.cache/bridle/images.
 # tmux: the test of the live display runs a short quickstart in a real terminal (tests/e2e/test_terminal.py).
+# chromium: the trajectory viewer is tested in a real headless browser (tests/e2e/test_viewer_browser.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v tmux >/dev/null; then
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v tmux >/dev/null \
+    || ! command -v chromium >/dev/null; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq docker.io debootstrap tmux >/dev/null
+  apt-get install -y -qq docker.io debootstrap tmux chromium >/dev/null
 fi
 
 if ! docker info >/dev/null 2>&1; then

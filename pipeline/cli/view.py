@@ -65,7 +65,7 @@ def _step(req: Any, groups_per_step: int) -> str:
     if req.purpose == "sft":
         return "sft"
     if req.purpose == "eval":
-        return f"eval {req.eval.step}" if req.eval is not None else "eval"
+        return f"eval {req.eval.step}" if req.eval is not None and req.eval.step >= 0 else "eval"
     m = re.match(r"g(\d+)", req.group_id)
     return str(int(m.group(1)) // groups_per_step + 1) if m and groups_per_step else ""
 
@@ -94,13 +94,14 @@ def _row(rec: Recorded, tree: RolloutTree | None, groups_per_step: int) -> dict[
     s = rec.rollout
     req, fin = s.request, s.finished
     st = tree.stats if tree is not None else None
+    trains = st is not None and req.purpose != "eval"  # evaluation rollouts are never trained
     return {
         "id": req.rollout_id, "page": page_name(req.rollout_id), "step": _step(req, groups_per_step), "group": req.group_id, "task": req.task_id,
         "harness": req.harness, "purpose": req.purpose,
         "status": fin.status if rec.verified else "no verdict", "reason": fin.details[:160],
         "reward": round(fin.reward, 4) if rec.verified else None,
         "parts": {k: round(v, 4) for k, v in fin.rewards.items()}, "calls": len(s.calls),
-        "trainable": st.tokens_trainable if st else 0, "sampled": st.tokens_output if st else 0,
+        "trainable": st.tokens_trainable if trains else 0, "sampled": st.tokens_output if st else 0,
     }
 
 
@@ -185,6 +186,7 @@ def rollout_page(rec: Recorded, tree: RolloutTree | None, renderer: Renderer, na
     req, fin = s.request, s.finished
     calls = sorted(s.calls, key=lambda c: c.seq)
     infos = {c.call_id: (n, c) for n, c in enumerate(tree.calls)} if tree is not None else {}
+    trains = req.purpose != "eval"  # evaluation rollouts are measured, never trained (the tree builder skips them)
     head = (f"<p><b>task</b> {html.escape(req.task_id)} · <b>harness</b> {html.escape(req.harness)} · "
             f"<b>purpose</b> {req.purpose} · <b>group</b> {html.escape(req.group_id)}</p>")
     verdict = (f"<p><b>status</b> <span class=\"{'status-ok' if fin.status == 'ok' else 'status-bad'}\">"
@@ -205,7 +207,7 @@ def rollout_page(rec: Recorded, tree: RolloutTree | None, renderer: Renderer, na
                     notes.append("dead leaf")
                 if info.summary_for >= 0:
                     notes.append(f"compaction → chain {info.summary_for}")
-                notes.append("trained" if info.kept_tokens and info.included else "not trained")
+                notes.append("trained" if trains and info.kept_tokens and info.included else "not trained")
                 seqs.append(f'<a href="#call{info.seq}">#{info.seq}</a> ({html.escape(", ".join(notes))})')
             items.append(f"<li>chain {k}: {' → '.join(seqs)}</li>")
         invalid = f"<p class=\"status-bad\">not trained: {html.escape(tree.invalid)}</p>" if tree.invalid else ""
@@ -213,7 +215,7 @@ def rollout_page(rec: Recorded, tree: RolloutTree | None, renderer: Renderer, na
     body = []
     for c in calls:
         n, info = infos.get(c.call_id, (None, None))
-        trained = bool(info is not None and info.kept_tokens and info.included)
+        trained = bool(trains and info is not None and info.kept_tokens and info.included)
         attach = how_attached(tree.calls, tree.chains, n) if tree is not None and n is not None else "?"
         uses = ""
         if c.trace is not None:
