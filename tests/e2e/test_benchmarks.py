@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -398,3 +399,12 @@ def test_harness_scaling_table_by_hand(tmp_path):
     line = next(ln for ln in hs.table(rows).splitlines() if ln.startswith("| published-k2 |"))
     assert line == (f"| published-k2 | failed: seed 2: trained: no valid rollout through {trained_k2} (2 excluded as "
                     "infrastructure failures); see eval-space.log |")
+
+
+def test_viewer_benchmark_short_run():
+    """benchmarks/viewer.py at a small size: its table row and the goal line (n/a below 2,000 rollouts)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "viewer.py"), "--sizes", "12"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"^\| 12 \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.]+ \|$", r.stdout, re.MULTILINE), r.stdout
+    assert "goal: n/a (no size >= 2,000)" in r.stdout
