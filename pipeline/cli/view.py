@@ -5,7 +5,8 @@
   trainable and sampled tokens), filtered in the page by harness, status, purpose and step. The table's rows are
   data in the page; each rollout's page is its own file, loaded only when opened, so a run of thousands stays fast.
 - ``rollouts/<id>.html``: the rollout's tree (chains, how each call joined: first, exact, retry, a named rewrite,
-  branch, root; dead leaves; compactions) and each call: the request as the policy saw it, decoded turn by turn
+  branch, root; dead leaves; compactions), the workspace files the run kept (``[sandbox] keep_workspaces``), and
+  each call: the request as the policy saw it, decoded turn by turn
   (the system prompt and all but the newest turns collapsed), the tool calls as the proxy parsed them, and the
   policy's output token by token, coloured by whether it was trained, with its log-probability and policy version
   on hover; then the verifier's verdict.
@@ -19,13 +20,18 @@ from __future__ import annotations
 import html
 import json
 import re
+import stat
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from pipeline.core.recordings import Recorded, recorded_rollouts
+from pipeline.core.runfiles import run_tag
 from pipeline.messages import floats, ids
 from pipeline.monitor.metrics import load_metrics, of_kind
+from pipeline.rollout.sandbox.util import rollout_dir_prefix
+from pipeline.rollout.untrusted import UntrustedFileError, read_under, walk_files
 from pipeline.tokens.render import Renderer, load_renderer
 from pipeline.trees.filters import how_attached
 from pipeline.trees.tree import RolloutTree, TreeOptions, build_tree
@@ -58,6 +64,46 @@ def _config(run_dir: Path | None) -> dict[str, Any]:
 def _renderer(config: dict[str, Any]) -> Renderer:
     name = config.get("proxy", {}).get("engine", {}).get("renderer", "qwen3")
     return load_renderer(name)
+
+
+KEPT_FILES = 60  # files listed per kept workspace
+KEPT_TEXT = 4096  # bytes of a small file shown inline
+
+
+def kept_workspace(config: dict[str, Any], run_dir: Path | None, rollout_id: str) -> Path | None:
+    """The folder the run kept for this rollout (``[sandbox] keep_workspaces``), if it is still there."""
+    sandbox = config.get("sandbox", {})
+    if run_dir is None or not sandbox.get("keep_workspaces"):
+        return None
+    bases = [sandbox.get("ray", {}).get("workspaces", ""), sandbox.get("workdir", "")]
+    prefix = rollout_dir_prefix(run_tag(run_dir), rollout_id)
+    for base in (Path(b) for b in bases if b):
+        found = sorted(base.glob(prefix + "*")) if base.is_dir() else []
+        if found:
+            return found[0]
+    found = sorted(Path(tempfile.gettempdir()).glob(prefix + "*"))
+    return found[0] if found else None
+
+
+def _workspace_html(folder: Path | None) -> str:
+    """The kept workspace's files (never following links: a policy may plant them), small text files inline."""
+    if folder is None:
+        return ""
+    app = folder / "app"
+    entries = walk_files(app) if app.is_dir() else []
+    items = []
+    for rel, st in entries[:KEPT_FILES]:
+        text = ""
+        if stat.S_ISREG(st.st_mode) and st.st_size <= KEPT_TEXT:
+            try:
+                text = f"<pre>{html.escape(read_under(app, rel, KEPT_TEXT).decode('utf-8', 'replace'))}</pre>"
+            except (OSError, UntrustedFileError):
+                text = ""
+        kind = "link" if stat.S_ISLNK(st.st_mode) else f"{st.st_size:,} bytes"
+        items.append(f"<details><summary><code>{html.escape(rel)}</code> ({kind})</summary>{text}</details>")
+    more = f"<p>… {len(entries) - KEPT_FILES} more</p>" if len(entries) > KEPT_FILES else ""
+    return (f"<h2>Workspace kept</h2><p><code>{html.escape(str(folder))}</code></p>"
+            + ("".join(items) or "<p class=\"na\">no files</p>") + more)
 
 
 def _step(req: Any, groups_per_step: int) -> str:
@@ -181,7 +227,8 @@ def _output_html(renderer: Renderer, call: Any, trained: bool) -> str:
     return "<pre>" + "".join(toks) + "</pre>"
 
 
-def rollout_page(rec: Recorded, tree: RolloutTree | None, renderer: Renderer, name: str) -> str:
+def rollout_page(rec: Recorded, tree: RolloutTree | None, renderer: Renderer, name: str,
+                 workspace: Path | None = None) -> str:
     s = rec.rollout
     req, fin = s.request, s.finished
     calls = sorted(s.calls, key=lambda c: c.seq)
@@ -235,7 +282,7 @@ def rollout_page(rec: Recorded, tree: RolloutTree | None, renderer: Renderer, na
     title = html.escape(f"{name} · {req.rollout_id}")
     return (f'<!doctype html><meta charset="utf-8"><title>{title}</title><style>{STYLE}</style>'
             f'<p><a href="../index.html">← {html.escape(name)}</a></p><h1>{html.escape(req.rollout_id)}</h1>'
-            f"{head}<h2>Verdict</h2>{verdict}{tree_html}"
+            f"{head}<h2>Verdict</h2>{verdict}{tree_html}{_workspace_html(workspace)}"
             + (f"<h2>Failed calls</h2><ul>{failed}</ul>" if failed else "")
             + "<h2>Calls</h2><p>Output tokens: <span class=\"t tr\">trained</span> "
               "<span class=\"t nt\">not trained</span>; hover for the log-probability and policy version.</p>"
@@ -263,7 +310,8 @@ def write_site(source: Path, out: Path | None = None) -> Path:
             tree = None
         rows.append(_row(rec, tree, groups_per_step))
         page = out / "rollouts" / page_name(rec.rollout.request.rollout_id)
-        page.write_text(rollout_page(rec, tree, renderer, name), encoding="utf-8")
+        workspace = kept_workspace(config, run_dir, rec.rollout.request.rollout_id)
+        page.write_text(rollout_page(rec, tree, renderer, name, workspace), encoding="utf-8")
     index = out / "index.html"
     index.write_text(index_page(name, rows, metrics), encoding="utf-8")
     return index

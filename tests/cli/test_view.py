@@ -83,3 +83,34 @@ def test_hostile_text_and_ids_stay_text(tmp_path):
         assert "<script>alert" not in raw and "<img src=x" not in raw
     assert evil in visible(pages[0])  # shown, as text
     assert "</script>" not in index.read_text().split('id="data">', 1)[1].split("</script>", 1)[0]
+
+
+def test_the_workspace_a_run_kept_is_listed_without_following_links(tmp_path):
+    from pipeline.core.runfiles import run_tag
+    from pipeline.rollout.sandbox.util import rollout_dir_prefix
+
+    run = tmp_path / "run"
+    run.mkdir()
+    work = tmp_path / "work"
+    (run / "config.toml").write_text(f'[sandbox]\nkeep_workspaces = true\nworkdir = "{work}"\n')
+    app = work / (rollout_dir_prefix(run_tag(run), "g00000-r0") + "x1y2") / "app"
+    app.mkdir(parents=True)
+    (app / "out.txt").write_text("cat")
+    (app / "<img src=x onerror=alert(4)>.txt").write_text("<script>alert(3)</script>")
+    (app / "passwd").symlink_to("/etc/passwd")
+    req = RolloutRequest(rollout_id="g00000-r0", group_id="g00000", index=0, group_size=1, task_id="t",
+                         harness="codex", token="t", policy_version=0)
+    fin = RolloutFinished(rollout_id="g00000-r0", group_id="g00000", status="ok", reward=1.0)
+    call = ModelCall(rollout_id="g00000-r0", call_id="c", seq=0, protocol="chat", input_ids=pack_i32([1, 2]),
+                     output_ids=pack_i32([3]), logprobs=pack_f32([-0.1]))
+    header = LogHeader(schema_version=SCHEMA_VERSION, run_id="r", created=0.0, experiment="t", config={})
+    with EventLogWriter(run / "events.msgpack", header) as w:
+        w.append("collector.settled", SettledRollout(request=req, finished=fin, calls=[call]), t=0.0)
+    write_site(run)
+    page = run / "view" / "rollouts" / "g00000-r0.html"
+    raw = page.read_text()
+    assert "<script>alert(3)" not in raw and "<img src=x" not in raw
+    text = visible(page)
+    assert "Workspace kept" in text and "out.txt (3 bytes)cat" in text
+    assert "passwd (link)" in text and "root:" not in text  # a planted link is named, never read
+    assert "<img src=x onerror=alert(4)>.txt" in text and "<script>alert(3)</script>" in text  # as text

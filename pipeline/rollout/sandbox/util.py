@@ -64,8 +64,13 @@ def rollout_dir(workdir: str, run_id: str, rollout_id: str) -> Path:
     (:func:`remove_run_dirs`)."""
     if workdir:
         Path(workdir).mkdir(parents=True, exist_ok=True)
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", rollout_id)[:40]
-    return Path(tempfile.mkdtemp(prefix=f"{run_prefix(run_id)}{safe}-", dir=workdir or None))
+    return Path(tempfile.mkdtemp(prefix=rollout_dir_prefix(run_id, rollout_id), dir=workdir or None))
+
+
+def rollout_dir_prefix(run_id: str, rollout_id: str) -> str:
+    """What the name of ``rollout_id``'s directory starts with (a random suffix follows; ``run.py --view`` finds a
+    kept one by it)."""
+    return f"{run_prefix(run_id)}{re.sub(r'[^A-Za-z0-9_.-]', '_', rollout_id)[:40]}-"
 
 
 def remove_run_dirs(workdir: str, run_id: str) -> int:
