@@ -21,6 +21,7 @@ token on a CPU (the 151,936-row head).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import tempfile
@@ -150,15 +151,21 @@ def ensure_model(spec: ModelSpec) -> Path:
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         _check_built(spec, out)
         return out
-    table = vocabulary(spec) if spec.vocabulary == "reduced" else None
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # what a build killed half-way left
-    create_small_model(tmp, vocab=table, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
-                       num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                       max_position_embeddings=spec.max_position_embeddings, seed=spec.seed,
-                       mean_reply_tokens=spec.mean_reply_tokens, sliding_window=spec.sliding_window)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+    # Runs started together with one model path (several seeds side by side) build it once: the others wait here.
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").exists() and (out / "model.safetensors").exists():
+            _check_built(spec, out)
+            return out
+        table = vocabulary(spec) if spec.vocabulary == "reduced" else None
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # what a build killed half-way left
+        create_small_model(tmp, vocab=table, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
+                           num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                           max_position_embeddings=spec.max_position_embeddings, seed=spec.seed,
+                           mean_reply_tokens=spec.mean_reply_tokens, sliding_window=spec.sliding_window)
+        tmp.rename(out)
     log.info("small policy built", path=str(out), vocab=table.size if table else "full")
     return out
 

@@ -27,11 +27,14 @@ def first_batch_hash(run_dir) -> tuple[str, list[str]]:
 
 
 def test_one_seed_one_first_batch(tmp_path):
+    """The three runs start together on a policy not built yet: one builds it, the others wait for it (a fresh
+    checkout's CI caught them building into one folder at once)."""
     runs = {name: tmp_path / name for name in ("a", "b", "c")}
     seeds = {"a": 7, "b": 7, "c": 8}
+    model = f'run.model="{tmp_path / "policy"}"'
     done = run_py_together(*([
         "--experiment", "quickstart", "--no-watch", "--run-dir", str(runs[n]),
-        *(x for s in (*SHORT, f"experiment.seed={seeds[n]}") for x in ("--set", s))] for n in runs))
+        *(x for s in (*SHORT, model, f"experiment.seed={seeds[n]}") for x in ("--set", s))] for n in runs))
     for r in done:
         assert r.returncode == 0, r.stderr[-3000:]
     (a, tasks_a), (b, tasks_b), (c, _) = (first_batch_hash(runs[n]) for n in runs)

@@ -259,3 +259,19 @@ def test_the_config_refuses_what_the_ray_backend_cannot_do(tmp_path):
     bad = SandboxSettings(backend="ray", ray=RaySettings(proxy_address="nohost"))
     with pytest.raises(ConfigError, match=r"proxy_address: expected host:port"):
         bad.check("sandbox", Exp())  # type: ignore[arg-type]
+
+
+def test_a_node_is_sent_the_common_sandbox_settings_alone():
+    """The pool's [sandbox] section is SandboxCommon and more (backend, tables): a node decodes NodeJob.common as
+    SandboxCommon exactly, so the backend sends those fields alone (the section whole failed every rollout)."""
+    from actors.sandbox import SandboxSettings
+    from pipeline.rollout.sandbox.ray_backend import NodeJob, RayBackend
+
+    section = SandboxSettings(backend="ray", max_turns=3, keep_workspaces=True, concurrency=9)
+    backend = RayBackend(RaySettings(), DockerSettings(), section, run_id="r")
+    assert type(backend.common) is SandboxCommon and backend.common.max_turns == 3
+    req = RolloutRequest(rollout_id="r0", group_id="g", index=0, group_size=1, task_id="t", harness="codex",
+                         token="x", policy_version=0)
+    job = NodeJob(request=req, docker=DockerSettings(), common=backend.common, run_id="r", relay_dir="",
+                  proxy_port=1, task_hash="h", task_name="t")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(job), type=NodeJob).common.keep_workspaces

@@ -72,6 +72,12 @@ class SandboxCommon(Section):
     # instead of a tmpfs), tests/, logs/
     keep_workspaces: bool = False
 
+    @classmethod
+    def of(cls, settings: SandboxCommon) -> SandboxCommon:
+        """These fields alone of ``settings`` (a [sandbox] section is one, with the pool's own fields too): what is
+        sent to a Ray node, which decodes exactly this struct."""
+        return cls(**{name: getattr(settings, name) for name in cls.__struct_fields__})
+
 
 class SandboxError(Exception):
     """The sandbox could not be prepared or started, or it died under the harness: status ``sandbox_error``, with

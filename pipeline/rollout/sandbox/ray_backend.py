@@ -378,7 +378,7 @@ class RayBackend:
     def __init__(self, settings: RaySettings, docker: DockerSettings, common: SandboxCommon | None = None, *,
                  run_id: str):
         self.settings, self.docker, self.run_id = settings, docker, run_id
-        self.common = common or SandboxCommon()
+        self.common = SandboxCommon.of(common) if common is not None else SandboxCommon()
         self._remote: Any = None
         self._owns_ray = False
         self._relays: dict[str, Any] = {}  # node id -> its Relay actor
