@@ -90,7 +90,11 @@ def _workspace_html(folder: Path | None) -> str:
     if folder is None:
         return ""
     app = folder / "app"
-    entries = walk_files(app) if app.is_dir() else []
+    try:
+        entries = walk_files(app) if app.is_dir() else []
+    except (OSError, RecursionError) as e:  # a policy's folder chain thousands deep
+        return (f"<h2>Workspace kept</h2><p><code>{html.escape(str(folder))}</code></p>"
+                f"<p class=\"na\">its files could not be listed: {html.escape(type(e).__name__)}</p>")
     items = []
     for rel, st in entries[:KEPT_FILES]:
         text = ""

@@ -4,6 +4,7 @@ kind and message the harness is told; the policy versions the output was sampled
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from pipeline.core.logs import get_logger
@@ -23,6 +24,12 @@ from pipeline.tokens.conversation import Conversation
 ENGINE_RETRY_S = 0.5
 
 
+@functools.cache
+def _answers_conversations(kind: type) -> bool:
+    # once per engine class: a runtime Protocol check costs microseconds, and this is every call's path
+    return issubclass(kind, ConversationEngine)
+
+
 async def run_engine(
     engine: Engine, input_ids: Any, sampling: EngineSampling, rid: str, retries: int = 0,
     conversation: Conversation | None = None,
@@ -32,7 +39,7 @@ async def run_engine(
     conversations (a teacher) gets ``conversation`` too."""
     for attempt in range(retries + 1):
         try:
-            if conversation is not None and isinstance(engine, ConversationEngine):
+            if conversation is not None and _answers_conversations(type(engine)):
                 return await engine.answer(conversation, input_ids, sampling, rid=rid), None
             return await engine.generate(input_ids, sampling, rid=rid), None
         except EngineBadRequest as e:

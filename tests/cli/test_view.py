@@ -4,9 +4,12 @@ hostile policy or sandbox wrote is shown as text, never run."""
 import gzip
 import html
 import json
+import os
 import re
 import shutil
 from pathlib import Path
+
+import msgspec
 
 from pipeline.cli.view import page_name, write_site
 from pipeline.core.eventlog import EventLogWriter, LogHeader
@@ -98,6 +101,12 @@ def test_the_workspace_a_run_kept_is_listed_without_following_links(tmp_path):
     (app / "out.txt").write_text("cat")
     (app / "<img src=x onerror=alert(4)>.txt").write_text("<script>alert(3)</script>")
     (app / "passwd").symlink_to("/etc/passwd")
+    deep = app.parent.with_name(rollout_dir_prefix(run_tag(run), "g00000-r1") + "z") / "app"
+    deep.mkdir(parents=True)
+    chain = deep
+    for _ in range(1200):  # deeper than Python's recursion limit: the walk gives up, the page is still written
+        chain = chain / "d"
+        os.mkdir(chain)
     req = RolloutRequest(rollout_id="g00000-r0", group_id="g00000", index=0, group_size=1, task_id="t",
                          harness="codex", token="t", policy_version=0)
     fin = RolloutFinished(rollout_id="g00000-r0", group_id="g00000", status="ok", reward=1.0)
@@ -105,8 +114,13 @@ def test_the_workspace_a_run_kept_is_listed_without_following_links(tmp_path):
                      output_ids=pack_i32([3]), logprobs=pack_f32([-0.1]))
     header = LogHeader(schema_version=SCHEMA_VERSION, run_id="r", created=0.0, experiment="t", config={})
     with EventLogWriter(run / "events.msgpack", header) as w:
-        w.append("collector.settled", SettledRollout(request=req, finished=fin, calls=[call]), t=0.0)
+        for rid in ("g00000-r0", "g00000-r1"):
+            r = msgspec.structs.replace
+            w.append("collector.settled", SettledRollout(
+                request=r(req, rollout_id=rid), finished=r(fin, rollout_id=rid),
+                calls=[r(call, rollout_id=rid)]), t=0.0)
     write_site(run)
+    assert "could not be listed: RecursionError" in visible(run / "view" / "rollouts" / "g00000-r1.html")
     page = run / "view" / "rollouts" / "g00000-r0.html"
     raw = page.read_text()
     assert "<script>alert(3)" not in raw and "<img src=x" not in raw
