@@ -59,6 +59,9 @@ class SandboxSettings(SandboxCommon):
                     f'{readers} only, and [{name}].backend = "{self.backend}". Remove it, or set backend = '
                     f"{readers.split(' or ')[0]} (what every backend reads, such as max_turns, is [{name}]'s own)")
         if self.backend == "ray":
+            if self.warm:
+                raise ConfigError(f'{exp.source}: [{name}] warm = {self.warm}: the ray backend has no warm pool yet '
+                                  f'(each node runs one rollout per worker); set warm = 0, or backend = "docker"')
             try:
                 self.ray.check(f"[{name}.ray]")
             except ValueError as e:
@@ -99,19 +102,28 @@ class SandboxPool(Actor[SandboxSettings]):
         service: ServiceReady | None = None
         waiting: list[RolloutRequest] = []
         await backend.start()
+        warm = anyio.CancelScope()  # the warm pool's refills: stopped once every rollout is done
+
+        async def keep_warm() -> None:
+            with warm:
+                await backend.keep_warm()
         try:
-            async with anyio.create_task_group() as tg:
-                async for msg in self.messages():
-                    if isinstance(msg, ServiceReady):
-                        service = msg
-                        for req in waiting:
-                            tg.start_soon(self._one, backend, req, service)
-                        waiting.clear()
-                    elif isinstance(msg, RolloutRequest):
-                        if service is None:
-                            waiting.append(msg)
-                        else:
-                            tg.start_soon(self._one, backend, msg, service)
+            async with anyio.create_task_group() as pool:
+                if isinstance(backend, SandboxBackend):
+                    pool.start_soon(keep_warm)
+                async with anyio.create_task_group() as tg:
+                    async for msg in self.messages():
+                        if isinstance(msg, ServiceReady):
+                            service = msg
+                            for req in waiting:
+                                tg.start_soon(self._one, backend, req, service)
+                            waiting.clear()
+                        elif isinstance(msg, RolloutRequest):
+                            if service is None:
+                                waiting.append(msg)
+                            else:
+                                tg.start_soon(self._one, backend, msg, service)
+                warm.cancel()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                 await backend.aclose()
@@ -137,8 +149,9 @@ class SandboxPool(Actor[SandboxSettings]):
         await self.send("finished", fin)
         if self.out["metrics"].connected:
             kind = "demonstration" if req.purpose == "sft" else "rollout"
+            counts = backend.metrics() if isinstance(backend, SandboxBackend) else {}
             await self.send("metrics", Metric(source=self.name, kind=kind, values={
-                "rollouts_running": self.running, "reward": fin.reward, "ok": float(fin.status == "ok")}))
+                "rollouts_running": self.running, "reward": fin.reward, "ok": float(fin.status == "ok"), **counts}))
 
     async def on_config(self, new: SandboxSettings, changes: dict[str, Any]) -> None:
         self.config = new

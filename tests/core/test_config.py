@@ -467,6 +467,9 @@ def test_the_sandbox_backend_selects_its_tables():
         quickstart(['sandbox.backend="docker"', "sandbox.local.open_files=10"])
     with pytest.raises(cfg.ConfigError, match=r"unknown field max_turns; it is \[sandbox\]'s own: max_turns"):
         quickstart(["sandbox.local.max_turns=3"])  # one place: [sandbox] max_turns
+    assert quickstart(['sandbox.backend="docker"', "sandbox.warm=2"]).sections["sandbox"].warm == 2
+    with pytest.raises(cfg.ConfigError, match=r'\[sandbox\] warm = 2: the ray backend has no warm pool yet'):
+        quickstart(['sandbox.backend="ray"', "sandbox.warm=2"])
 
 
 def test_every_setting_says_what_it_is():

@@ -15,6 +15,9 @@ backends implement only its hooks:
   over it), the task's CPU, memory and pids limits, network ``none``, the proxy through its mounted Unix socket, a
   non-root uid on a read-only root (:mod:`~pipeline.rollout.sandbox.hardening`); the verifier in a fresh container
   from the task's image (:mod:`~pipeline.rollout.sandbox.docker_verify`).
+
+Both can keep sandboxes started ahead (``[sandbox] warm``) and bound how fast sandboxes are created on the host
+(:mod:`~pipeline.rollout.sandbox.warm`).
 """
 
 from pipeline.rollout.sandbox.base import CLEANUP_TIMEOUT_S, SandboxBackend, SandboxCommon

@@ -47,12 +47,13 @@ from typing import Any, ClassVar, Generic, TypeVar
 import anyio
 import msgspec
 
-from pipeline.core.config import PosInt, Section
+from pipeline.core.config import NonNegFloat, NonNegInt, PosInt, Section
 from pipeline.core.logs import get_logger
 from pipeline.messages import RolloutFinished, RolloutRequest, RolloutStatus, RolloutTimings
 from pipeline.rollout.harnesses import Harness, Launch, sandbox_harness
 from pipeline.rollout.judge import Judge, Judged
 from pipeline.rollout.sandbox.util import HARNESS_OUTPUT, tail
+from pipeline.rollout.sandbox.warm import CreationGate, WarmPool
 from pipeline.rollout.tasks import Task
 
 log = get_logger(component="sandbox")
@@ -71,6 +72,11 @@ class SandboxCommon(Section):
     # keep each rollout's folder: app/, home/ (the harness's HOME, with its transcript; in Docker a bind mount
     # instead of a tmpfs), tests/, logs/
     keep_workspaces: bool = False
+    # Sandboxes started ahead per kind (Docker: image, harness, limits; local: one kind), each serving one rollout
+    # (pipeline/rollout/sandbox/warm.py); 0: every sandbox starts when its rollout comes. Not on the ray backend.
+    warm: NonNegInt = 0
+    creations_per_s: NonNegFloat = 0.0  # sandbox creations a second on this host, all bridle processes (0: any)
+    creations_at_once: NonNegInt = 0  # sandbox creations under way on this host, all bridle processes (0: any)
 
     @classmethod
     def of(cls, settings: SandboxCommon) -> SandboxCommon:
@@ -142,6 +148,33 @@ class SandboxBackend(ABC, Generic[S]):
 
     def __init__(self, *, run_id: str = ""):
         self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.pool: WarmPool[Any] | None = None  # the backend makes one when [sandbox] warm > 0
+        self.gate = CreationGate()
+
+    def _warm_from(self, common: SandboxCommon) -> None:
+        self.gate = CreationGate(common.creations_per_s, common.creations_at_once)
+        if common.warm > 0:
+            self.pool = WarmPool(common.warm, make=self._make_warm, alive=self._warm_alive,
+                                 destroy=self._destroy_warm)
+
+    async def keep_warm(self) -> None:
+        """Keep the warm pool filled until cancelled (the owner runs this beside its rollouts; nothing to do
+        without a pool)."""
+        if self.pool is not None:
+            await self.pool.keep_warm()
+
+    def metrics(self) -> dict[str, float]:
+        """Counters for the run's metrics: the pool's hand-outs and the creations the gate let through."""
+        return {**(self.pool.metrics() if self.pool is not None else {}), **self.gate.metrics()}
+
+    async def _make_warm(self, key: Any, template: Any) -> Any:
+        raise NotImplementedError(f"the {self.kind} backend has no warm pool")
+
+    async def _warm_alive(self, entry: Any) -> bool:
+        raise NotImplementedError
+
+    async def _destroy_warm(self, entry: Any) -> None:
+        raise NotImplementedError
 
     # -------------------------------------------------------------------------------------------- lifecycle
     @abstractmethod

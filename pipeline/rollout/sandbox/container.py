@@ -22,6 +22,7 @@ import msgspec
 from pipeline.core.logs import get_logger
 from pipeline.rollout.sandbox.base import CLEANUP_TIMEOUT_S, Sandbox, SandboxError
 from pipeline.rollout.sandbox.util import parse_size, tail, tar_files
+from pipeline.rollout.sandbox.warm import CreationGate
 from pipeline.rollout.tasks import Task
 
 log = get_logger(component="sandbox")
@@ -124,6 +125,7 @@ class DockerSandbox(Sandbox):
     over_limit: str = ""  # why the disk watch stopped the harness
     image: TaskImage | None = None  # the task's image, once resolved
     task_limits: TaskLimits | None = None  # cpus / memory / pids of its containers
+    go: tuple[list[str], dict[str, str]] | None = None  # from a warm pool: the launch its waiter is handed
 
 
 def task_limits(task: Task, *, cpus: float, memory: int, pids: int) -> TaskLimits:
@@ -171,6 +173,7 @@ class DockerEngine:
     memory_bytes: int
     _live: set[str]  # containers this backend made and has not removed
     _killed: set[str]  # containers it killed itself
+    gate: CreationGate  # the host-wide bound on creations (the backend's)
 
     async def _remove(self, cid: str) -> None:
         import aiodocker
@@ -207,15 +210,16 @@ class DockerEngine:
     async def _create_start(self, config: dict[str, Any], files: dict[str, tuple[bytes, int]],
                             owned: list[Any]) -> Any:
         """Create and start a container; it goes into ``owned`` (the caller removes it) as soon as it exists."""
-        # Shielded: a cancellation between the engine creating it and us learning its id would leak it.
-        with anyio.CancelScope(shield=True), anyio.fail_after(self.settings.api_timeout_s):
-            c = await self.docker.containers.create(config)
-            self._live.add(c.id)
-            owned.append(c)
-        with anyio.fail_after(self.settings.api_timeout_s):
-            if files:
-                await c.put_archive("/", tar_files(files))
-            await c.start()
+        async with self.gate.slot():
+            # Shielded: a cancellation between the engine creating it and us learning its id would leak it.
+            with anyio.CancelScope(shield=True), anyio.fail_after(self.settings.api_timeout_s):
+                c = await self.docker.containers.create(config)
+                self._live.add(c.id)
+                owned.append(c)
+            with anyio.fail_after(self.settings.api_timeout_s):
+                if files:
+                    await c.put_archive("/", tar_files(files))
+                await c.start()
         return c
 
     async def _wait(self, c: Any, limit_s: float) -> tuple[bool, dict[str, Any]]:

@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from pipeline.core.logs import get_logger
 from pipeline.core.runfiles import strip_setid
 from pipeline.core.runtime import on_emergency
 from pipeline.messages import RolloutRequest
-from pipeline.rollout.harnesses import BASE_IMAGE, FORWARDER, PAYLOAD_MOUNT, LaunchContext
+from pipeline.rollout.harnesses import BASE_IMAGE, FORWARDER, PAYLOAD_MOUNT, Harness, Launch, LaunchContext
 from pipeline.rollout.sandbox.base import (
     CLEANUP_TIMEOUT_S,
     HarnessExit,
@@ -75,11 +76,35 @@ from pipeline.rollout.sandbox.util import (
     rollout_dir,
     run_prefix,
 )
+from pipeline.rollout.sandbox.warm import WAIT_EXEC, write_go
 from pipeline.rollout.tasks import Task, seed_workspace
 
 log = get_logger(component="sandbox")
 
 CONTAINER_SOCKET = "/run/bridle/proxy.sock"
+GO_MOUNT = "/run/bridle/go"  # a pooled container's go/ folder, read-only: where its launch appears
+
+
+@dataclass
+class _WarmTemplate:
+    """What a pooled container of one key is made from (the first rollout of that key gives it)."""
+
+    image: TaskImage
+    harness: Harness
+    payload: Path
+    proxy_socket: str
+    limits: TaskLimits
+    storage: int
+
+
+@dataclass
+class _Slot:
+    """A pooled container: started, its forwarder listening, its waiter waiting for go/go.json."""
+
+    root: Path  # its folder (app/, seed/, go/, home/ when kept), renamed for the rollout that takes it
+    container: Any
+    limits: list[tuple[Path, int, str]]  # the size caps to watch (under root)
+    created_at: float
 
 
 class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
@@ -114,6 +139,7 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
         self._live: set[str] = set()
         self._killed: set[str] = set()
         self.task_images = TaskImages(self)
+        self._warm_from(self.common)
 
     # ---------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -162,6 +188,8 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
+            if self.pool is not None:  # its folders too
+                await self.pool.aclose()
             for cid in list(self._live):
                 await self._remove(cid)
             if self.docker is not None:
@@ -195,6 +223,9 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
             payload = await self.task_images.payload(h)
         except TaskImageError as e:
             raise SandboxError(str(e)) from None
+        if self.pool is not None and box.image.python3 and not h.needs_solution:
+            await self._from_pool(box, payload)
+            return
         # In a worker thread: seeding the workspace copies files, which must not stall the other rollouts.
         await anyio.to_thread.run_sync(self._lay_out, box, payload)
 
@@ -207,66 +238,180 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
                              '([sandbox.docker] network = "none")')
         return limits
 
-    def _lay_out(self, box: DockerSandbox, payload: Path) -> None:
-        s, h, task, image = self.settings, box.harness, box.task, box.image
+    def _storage(self, task: Task) -> int:
+        where = f"{task.root / 'task.toml'}: [environment] storage"
+        return parse_size(task.config.environment.storage, where) or self.storage_bytes
+
+    def _launch(self, box: DockerSandbox) -> Launch:
+        """The harness's launch for this rollout (container paths: the same in a pooled sandbox)."""
+        h, c, s, image = box.harness, self.common, self.settings, box.image
         assert image is not None
-        # The forwarder runs for every harness the image can run it for (python3), so that every sandbox looks the
-        # same from inside; a harness that talks to the policy needs it (_check_image), the oracle does not.
-        forward = s.network != "host" and (h.uses_proxy or image.python3)
-        box.task_limits = limits = self._task_notes(box)
-        storage = parse_size(task.config.environment.storage, f"{task.root / 'task.toml'}: [environment] storage")
-        c = self.common
-        box.root = root = rollout_dir(c.workdir, self.run_id, box.req.rollout_id)
-        ws, wd = root / "app", image.workdir
-        shutil.copytree(image.workspace, ws, symlinks=True)
-        if image.seed:
-            seed_workspace(task, ws)
-        binds = [f"{ws}:{wd}"]
-        box.limits = [(ws, storage or self.storage_bytes, f"the workspace ({wd})")]
-        if h.needs_solution:
-            shutil.copytree(task.root / "solution", root / "solution", symlinks=True)
-            binds.append(f"{root / 'solution'}:/solution:ro")
-        if c.keep_workspaces:  # HOME on the host, with the transcript in it, instead of a tmpfs
-            (root / "home").mkdir(mode=0o700)
-            binds.append(f"{root / 'home'}:{CONTAINER_HOME}")
-            box.limits.append((root / "home", self.home_bytes, f"the harness's HOME ({CONTAINER_HOME})"))
-        binds.append(f"{payload}:{PAYLOAD_MOUNT}:ro")
         base_url = box.proxy_url.rstrip("/") if s.network == "host" else f"http://127.0.0.1:{s.forward_port}"
-        ctx = LaunchContext(workspace=wd, home=CONTAINER_HOME, base_url=base_url, token=box.req.token,
-                            instruction=task.instruction, model=c.model, max_turns=c.max_turns,
+        ctx = LaunchContext(workspace=image.workdir, home=CONTAINER_HOME, base_url=base_url, token=box.req.token,
+                            instruction=box.task.instruction, model=c.model, max_turns=c.max_turns,
                             binary=PAYLOAD_MOUNT + h.container_binary if h.container_binary else "",
                             node=PAYLOAD_MOUNT + h.container_node if h.container_node else "", python="python3",
                             solution_dir="/solution" if h.needs_solution else "", whitebox_args=list(c.whitebox_args))
         box.launch = launch = h.launch(ctx, box.variant)
-        cmd = launch.argv
-        if forward:
-            cmd = ["python3", PAYLOAD_MOUNT + FORWARDER, "--listen", f"127.0.0.1:{s.forward_port}",
-                   "--socket", CONTAINER_SOCKET, "--", *cmd]
-            binds.append(f"{Path(box.proxy_socket).resolve()}:{CONTAINER_SOCKET}")
-        if write_seed(launch.files, root / "seed", (wd, "/tmp", CONTAINER_HOME, *h.writable)):
+        return launch
+
+    def _mounts(self, root: Path, image: TaskImage, h: Harness, payload: Path) -> tuple[list[str], list]:
+        """The binds every harness container has (workspace, HOME when kept, payload) and the size caps to watch."""
+        ws, wd = root / "app", image.workdir
+        binds = [f"{ws}:{wd}"]
+        limits: list[tuple[Path, int, str]] = [(ws, 0, f"the workspace ({wd})")]  # the cap: the caller's
+        if self.common.keep_workspaces:  # HOME on the host, with the transcript in it, instead of a tmpfs
+            (root / "home").mkdir(mode=0o700)
+            binds.append(f"{root / 'home'}:{CONTAINER_HOME}")
+            limits.append((root / "home", self.home_bytes, f"the harness's HOME ({CONTAINER_HOME})"))
+        binds.append(f"{payload}:{PAYLOAD_MOUNT}:ro")
+        return binds, limits
+
+    def _forwarded(self, cmd: list[str], binds: list[str], h: Harness, image: TaskImage, proxy_socket: str) -> list[str]:
+        """``cmd`` behind the forwarder, for every harness the image can run it for (python3), so that every
+        sandbox looks the same from inside; a harness that talks to the policy needs it (_check_image)."""
+        s = self.settings
+        if s.network == "host" or not (h.uses_proxy or image.python3):
+            return cmd
+        binds.append(f"{Path(proxy_socket).resolve()}:{CONTAINER_SOCKET}")
+        return ["python3", PAYLOAD_MOUNT + FORWARDER, "--listen", f"127.0.0.1:{s.forward_port}",
+                "--socket", CONTAINER_SOCKET, "--", *cmd]
+
+    def _container(self, image: TaskImage, h: Harness, cmd: list[str], env: dict[str, str], binds: list[str],
+                   limits: TaskLimits, file_cap: int, labels: dict[str, str]) -> dict[str, Any]:
+        s, c = self.settings, self.common
+        return {
+            "Image": image.ref,
+            "Entrypoint": [],  # the task image's own ENTRYPOINT must not wrap the harness
+            "Cmd": cmd,
+            "User": "{}:{}".format(*self.user),
+            "Env": [f"{k}={v}" for k, v in env.items()],
+            "WorkingDir": image.workdir,
+            "Labels": labels,
+            "HostConfig": {**self._host_config(binds, s.network, limits), **harness_host_config(
+                user=self.user, home="" if c.keep_workspaces else CONTAINER_HOME, writable=h.writable,
+                tmp_bytes=self.tmp_bytes, home_bytes=self.home_bytes, open_files=s.open_files,
+                file_bytes=min(self.file_bytes, file_cap))},
+        }
+
+    def _lay_out(self, box: DockerSandbox, payload: Path) -> None:
+        h, task, image = box.harness, box.task, box.image
+        assert image is not None
+        box.task_limits = limits = self._task_notes(box)
+        storage = self._storage(task)
+        box.root = root = rollout_dir(self.common.workdir, self.run_id, box.req.rollout_id)
+        ws = root / "app"
+        shutil.copytree(image.workspace, ws, symlinks=True)
+        if image.seed:
+            seed_workspace(task, ws)
+        binds, box.limits = self._mounts(root, image, h, payload)
+        box.limits[0] = (ws, storage, box.limits[0][2])
+        if h.needs_solution:
+            shutil.copytree(task.root / "solution", root / "solution", symlinks=True)
+            binds.append(f"{root / 'solution'}:/solution:ro")
+        launch = self._launch(box)
+        cmd = self._forwarded(launch.argv, binds, h, image, box.proxy_socket)
+        if write_seed(launch.files, root / "seed", (image.workdir, "/tmp", CONTAINER_HOME, *h.writable)):
             cmd = seeded(cmd)
             binds.append(f"{root / 'seed'}:{SEED_MOUNT}:ro")
         _check_image(image, task, h.name, cmd)
         for part in ("app", "home", "seed", "solution"):
             if (root / part).exists():
                 give_to(root / part, *self.user)
-        box.config = {
-            "Image": image.ref,
-            "Entrypoint": [],  # the task image's own ENTRYPOINT must not wrap the harness
-            "Cmd": cmd,
-            "User": "{}:{}".format(*self.user),
-            "Env": [f"{k}={v}" for k, v in launch.env.items()],
-            "WorkingDir": wd,
-            "Labels": self._labels(box.req, "harness"),
-            "HostConfig": {**self._host_config(binds, s.network, limits), **harness_host_config(
-                user=self.user, home="" if c.keep_workspaces else CONTAINER_HOME, writable=h.writable,
-                tmp_bytes=self.tmp_bytes, home_bytes=self.home_bytes, open_files=s.open_files,
-                file_bytes=min(self.file_bytes, box.limits[0][1]))},
-        }
+        box.config = self._container(image, h, cmd, launch.env, binds, limits, storage,
+                                     self._labels(box.req, "harness"))
+
+    # ------------------------------------------------------------------------------------------- warm pool
+    async def _from_pool(self, box: DockerSandbox, payload: Path) -> None:
+        """A pooled container for this rollout (one made now when none is ready), handed the rollout's launch."""
+        assert self.pool is not None and box.image is not None
+        box.task_limits = limits = self._task_notes(box)
+        storage = self._storage(box.task)
+        key = (box.image.ref, box.harness.name, box.proxy_socket, limits.cpus, limits.memory, limits.pids, storage)
+        template = _WarmTemplate(box.image, box.harness, payload, box.proxy_socket, limits, storage)
+        slot = await self.pool.take(key, template)
+        if slot is None:
+            slot = await self._make_warm(key, template)
+        box.containers.append(slot.container)  # from here on the rollout's: its cleanup removes it
+        box.container, box.started_at, box.limits = slot.container, slot.created_at, slot.limits
+        box.root = slot.root
+        await anyio.to_thread.run_sync(self._hand_out, box, slot)
+
+    def _hand_out(self, box: DockerSandbox, slot: _Slot) -> None:
+        """The task's part of a pooled sandbox: its folder renamed for the rollout, the task's files, the launch."""
+        h, task, image = box.harness, box.task, box.image
+        assert image is not None
+        root = rollout_dir(self.common.workdir, self.run_id, box.req.rollout_id)
+        try:
+            os.replace(slot.root, root)  # onto the fresh empty folder; the container's mounts follow the folders
+        except OSError:
+            root.rmdir()
+            raise
+        box.root = root
+        box.limits = [(root / p.relative_to(slot.root), cap, what) for p, cap, what in slot.limits]
+        if image.seed:
+            seed_workspace(task, root / "app")
+        launch = self._launch(box)
+        argv = launch.argv
+        if write_seed(launch.files, root / "seed", (image.workdir, "/tmp", CONTAINER_HOME, *h.writable)):
+            argv = seeded(argv)
+        _check_image(image, task, h.name, argv)
+        for part in ("app", "seed"):
+            give_to(root / part, *self.user)
+        box.go = (argv, launch.env)
+
+    async def _make_warm(self, key: Any, template: _WarmTemplate) -> _Slot:
+        t = template
+        root = await anyio.to_thread.run_sync(rollout_dir, self.common.workdir, self.run_id, "warm")
+        owned: list[Any] = []
+        try:
+            def lay_out() -> tuple[list[str], list]:
+                shutil.copytree(t.image.workspace, root / "app", symlinks=True)
+                (root / "seed").mkdir()
+                (root / "go").mkdir(mode=0o755)
+                binds, limits = self._mounts(root, t.image, t.harness, t.payload)
+                binds += [f"{root / 'seed'}:{SEED_MOUNT}:ro", f"{root / 'go'}:{GO_MOUNT}:ro"]
+                for part in ("app", "home", "seed"):
+                    if (root / part).exists():
+                        give_to(root / part, *self.user)
+                return binds, limits
+            binds, limits = await anyio.to_thread.run_sync(lay_out)
+            limits[0] = (limits[0][0], t.storage, limits[0][2])
+            cmd = self._forwarded(["python3", "-S", "-c", WAIT_EXEC, GO_MOUNT], binds, t.harness, t.image,
+                                  t.proxy_socket)
+            config = self._container(t.image, t.harness, cmd, {}, binds, t.limits, t.storage,
+                                     self._labels_for("", "warm"))
+            created_at = time.time()
+            container = await self._create_start(config, {}, owned)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for c in owned:
+                    await self._remove(c.id)
+                await anyio.to_thread.run_sync(rmtree, root)
+            raise
+        return _Slot(root=root, container=container, limits=limits, created_at=created_at)
+
+    async def _warm_alive(self, slot: _Slot) -> bool:
+        import aiodocker
+
+        try:
+            with anyio.fail_after(self.settings.api_timeout_s):
+                state = (await slot.container.show())["State"]
+        except (aiodocker.DockerError, TimeoutError):
+            return False
+        return bool(state.get("Running")) and not state.get("Restarting") and not state.get("Paused")
+
+    async def _destroy_warm(self, slot: _Slot) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._remove(slot.container.id)
+            await anyio.to_thread.run_sync(rmtree, slot.root)
 
     async def launch(self, box: DockerSandbox) -> None:
         import aiodocker
 
+        if box.go is not None:  # a pooled container: its waiter becomes the harness
+            await anyio.to_thread.run_sync(write_go, box.root / "go", *box.go)
+            return
         box.started_at = time.time()
         try:
             box.container = await self._create_start(box.config, {}, box.containers)

@@ -53,6 +53,7 @@ from pipeline.rollout.sandbox.util import (
     rollout_dir,
     run_prefix,
 )
+from pipeline.rollout.sandbox.warm import WAIT_EXEC, write_go
 from pipeline.rollout.tasks import seed_workspace
 from pipeline.rollout.verify import run_verifier_local
 
@@ -118,6 +119,16 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+@dataclass
+class _Slot:
+    """A pooled process: started in its folder, waiting for go/go.json."""
+
+    sandbox_id: str
+    proc: Any
+    root: Path
+    out_path: Path
+
+
 @dataclass(kw_only=True)
 class LocalSandbox(Sandbox):
     sandbox_id: str = ""  # the value of MARKER_ID in the harness's environment
@@ -152,6 +163,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         self._pid_namespace = False  # start(): whether each harness gets a PID namespace of its own
         self._emergency = self.emergency_stop  # one bound method: on_emergency keys on its identity
         self._unregister: Callable[[], None] = lambda: None
+        self._warm_from(self.common)
 
     async def start(self) -> None:
         """Kill this run's processes and remove its rollout directories, as a crash of it left them; from now on
@@ -170,6 +182,8 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
+            if self.pool is not None:
+                await self.pool.aclose()
             await anyio.to_thread.run_sync(kill_marked, f"{MARKER_RUN}={self.run_id}")
         self._unregister()
 
@@ -194,17 +208,34 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
 
     # ------------------------------------------------------------------------------------------------ hooks
     async def prepare(self, box: LocalSandbox) -> None:
+        if self.pool is not None and not box.harness.needs_solution:
+            slot = await self.pool.take("local", None) or await self._make_warm("local", None)
+            box.sandbox_id, box.proc, box.out_path, box.root = slot.sandbox_id, slot.proc, slot.out_path, slot.root
+            self._live.add(slot.sandbox_id)
+            await anyio.to_thread.run_sync(self._lay_out, box)
+            return
         # In a worker thread: seeding the workspace copies files, which must not stall the other rollouts.
         await anyio.to_thread.run_sync(self._lay_out, box)
 
     def _lay_out(self, box: LocalSandbox) -> None:
+        """The rollout's folder (a pooled one is renamed to the rollout's name first), the task's files and the
+        harness's launch."""
         c, h, task = self.common, box.harness, box.task
-        box.sandbox_id = f"{self.run_id}.{uuid.uuid4().hex[:8]}"
-        box.root = root = rollout_dir(c.workdir, self.run_id, box.req.rollout_id)
+        if box.root is None:
+            box.sandbox_id = f"{self.run_id}.{uuid.uuid4().hex[:8]}"
+            box.root = root = rollout_dir(c.workdir, self.run_id, box.req.rollout_id)
+            for part in ("home", "logs"):
+                (root / part).mkdir()
+        else:
+            root = rollout_dir(c.workdir, self.run_id, box.req.rollout_id)
+            try:
+                os.replace(box.root, root)  # onto the fresh empty folder; the waiting process's cwd follows it
+            except OSError:
+                root.rmdir()
+                raise
+            box.root = root
         ws, home, logs = root / "app", root / "home", root / "logs"
         seed_workspace(task, ws)
-        home.mkdir()
-        logs.mkdir()
         box.out_path = logs / HARNESS_OUTPUT
         solution = ""
         if h.needs_solution:
@@ -224,27 +255,65 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         box.launch = h.launch(ctx, box.variant)
         _write_files(box.launch)
 
+    def _spawn_argv(self, argv: list[str]) -> list[str]:
+        """``argv`` under the rlimits, in a PID namespace of its own where this host allows one."""
+        argv = [sys.executable, "-S", "-c", _RLIMIT_EXEC, json.dumps(self._limits), *argv]
+        return [*UNSHARE, *argv] if self._pid_namespace else argv
+
+    async def _spawn(self, argv: list[str], cwd: Path, env: dict[str, str], sandbox_id: str, out_path: Path) -> Any:
+        env = {"PATH": os.environ.get("PATH", os.defpath), **env, MARKER_RUN: self.run_id, MARKER_ID: sandbox_id}
+        async with self.gate.slot():
+            with out_path.open("wb") as out:
+                proc = await anyio.open_process(self._spawn_argv(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._live.add(sandbox_id)
+        return proc
+
     async def launch(self, box: LocalSandbox) -> None:
         assert box.launch is not None and box.root is not None and box.out_path is not None
-        env = {"PATH": os.environ.get("PATH", os.defpath), **box.launch.env, MARKER_RUN: self.run_id,
-               MARKER_ID: box.sandbox_id}
-        argv = [sys.executable, "-S", "-c", _RLIMIT_EXEC, json.dumps(self._limits), *box.launch.argv]
-        if self._pid_namespace:
-            argv = [*UNSHARE, *argv]
+        if box.proc is not None:  # a pooled process: its waiter becomes the harness
+            await anyio.to_thread.run_sync(write_go, box.root / "go", box.launch.argv, box.launch.env)
+            return
         try:
-            with box.out_path.open("wb") as out:
-                box.proc = await anyio.open_process(argv, cwd=box.root / "app", env=env, stdin=subprocess.DEVNULL,
-                                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            box.proc = await self._spawn(box.launch.argv, box.root / "app", box.launch.env, box.sandbox_id,
+                                         box.out_path)
         except OSError as e:
             raise SandboxError(f"could not start {box.launch.argv[0]}: {e}") from None
-        self._live.add(box.sandbox_id)
+
+    # ------------------------------------------------------------------------------------------- warm pool
+    async def _make_warm(self, key: Any, template: Any) -> _Slot:
+        """A started process in a folder of its own (app/, home/, logs/, go/), waiting for its launch."""
+        sandbox_id = f"{self.run_id}.{uuid.uuid4().hex[:8]}"
+        root = await anyio.to_thread.run_sync(rollout_dir, self.common.workdir, self.run_id, "warm")
+        try:
+            for part in ("app", "home", "logs", "go"):
+                (root / part).mkdir()
+            out_path = root / "logs" / HARNESS_OUTPUT
+            # go/ relative to its cwd (app/), which follows the folder when a rollout renames it
+            proc = await self._spawn([sys.executable, "-S", "-c", WAIT_EXEC, "../go"], root / "app", {},
+                                     sandbox_id, out_path)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(kill_marked, f"{MARKER_ID}={sandbox_id}")
+                await anyio.to_thread.run_sync(keep_or_remove, root, False)
+            raise
+        return _Slot(sandbox_id=sandbox_id, proc=proc, root=root, out_path=out_path)
+
+    async def _warm_alive(self, slot: _Slot) -> bool:
+        return slot.proc.returncode is None
+
+    async def _destroy_warm(self, slot: _Slot) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._kill(slot.proc, slot.sandbox_id)
+            self._live.discard(slot.sandbox_id)
+            await anyio.to_thread.run_sync(keep_or_remove, slot.root, False)
 
     async def wait(self, box: LocalSandbox, timeout_s: float) -> HarnessExit:
         with anyio.move_on_after(timeout_s) as scope:
             await box.proc.wait()
         # Also after a normal exit: background children it left behind must not outlive it.
         with anyio.CancelScope(shield=True):
-            await self._kill(box)
+            await self._kill(box.proc, box.sandbox_id)
         return HarnessExit(timed_out=scope.cancelled_caught, exit_code=box.proc.returncode)
 
     async def logs(self, box: LocalSandbox) -> str:
@@ -260,25 +329,25 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
 
     async def cleanup(self, box: LocalSandbox) -> None:
         if box.proc is not None and box.proc.returncode is None:
-            await self._kill(box)
+            await self._kill(box.proc, box.sandbox_id)
         self._live.discard(box.sandbox_id)
         await anyio.to_thread.run_sync(keep_or_remove, box.root, self.common.keep_workspaces)
 
-    async def _kill(self, box: LocalSandbox) -> None:
+    async def _kill(self, proc: Any, sandbox_id: str) -> None:
         """SIGKILL the harness's PID namespace, its process group, then whatever left it, and reap the harness."""
-        if self._pid_namespace and box.proc.returncode is None:
+        if self._pid_namespace and proc.returncode is None:
             # Killing the namespace's first process makes the kernel kill every other one in it; unshare exits
             # only once they are all gone, so waiting for it is waiting for the last of them.
-            for pid in _children(box.proc.pid):
+            for pid in _children(proc.pid):
                 with suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             with anyio.move_on_after(10):
-                await box.proc.wait()
+                await proc.wait()
         with suppress(ProcessLookupError, PermissionError):
-            os.killpg(box.proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
         # Children that left the process group (setsid, daemonized servers) still carry the marker.
-        await anyio.to_thread.run_sync(kill_marked, f"{MARKER_ID}={box.sandbox_id}")
-        await box.proc.wait()
+        await anyio.to_thread.run_sync(kill_marked, f"{MARKER_ID}={sandbox_id}")
+        await proc.wait()
 
 
 def _write_files(launch: Launch) -> None:
