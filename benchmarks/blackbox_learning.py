@@ -24,7 +24,9 @@ demonstrations only are each task's own. The demonstration tasks are written to 
 
 Goal (issue "learns through each real harness"): the paired RL - SFT pass@1 interval lies above 0 for every row.
 Exits 1 when a row misses it (or a run fails). Harnesses and seeds run one after another: each run uses the whole
-machine. Run folders: DIR/<harness>-seed<N>/{train,eval-sft,eval-rl}.
+machine. Run folders: DIR/<harness>-seed<N>/{train,eval-sft,eval-rl}. The same command again with the same --out
+goes on where a killed invocation stopped: its training run resumes from its last checkpoint (`run.py --resume`, wall
+minutes summed over the attempts), an evaluation cut part-way runs again whole, finished rows are only re-read.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import json
 import random
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -89,13 +92,34 @@ def _run(*args: str, sets: list[str], log: Path) -> None:
     run_logged(["--experiment", EXPERIMENT, "--no-watch", *args], sets, log)
 
 
+ATTEMPTS = "train-attempts.json"  # {"start", "end", "done"} per attempt, epoch seconds; a killed one has no end
+
+
 def train(run_dir: Path, harness: str, seed: int, sets: list[str]) -> float:
-    """The training run; returns its wall seconds. Every policy folder is kept (the SFT one is evaluated)."""
-    seeds = [f"experiment.seed={seed}"]  # every actor's seed (the task sets keep theirs)
-    t0 = time.monotonic()
-    _run("--run-dir", str(run_dir), sets=[*_harness_sets(harness), *seeds, "learner.keep_weights=1000", *sets],
-         log=run_dir.with_name(run_dir.name + ".log"))
-    return time.monotonic() - t0
+    """The training run, or the rest of one an earlier invocation started (``run.py --resume``: a run of an hour or
+    more can outlive its session); returns the wall seconds of all its attempts. Every policy folder is kept (the
+    SFT one is evaluated)."""
+    book = run_dir.with_name(ATTEMPTS)
+    attempts = json.loads(book.read_text()) if book.is_file() else []
+    if attempts and attempts[-1]["done"]:
+        return sum(a["end"] - a["start"] for a in attempts)
+    log = run_dir / "log.jsonl"
+    for a in attempts:  # a killed attempt ran until the last line its run wrote
+        if a["end"] is None:
+            a["end"] = max(a["start"], log.stat().st_mtime if log.is_file() else a["start"])
+    attempts.append({"start": time.time(), "end": None, "done": False})
+    book.parent.mkdir(parents=True, exist_ok=True)
+    book.write_text(json.dumps(attempts))
+    if (run_dir / "config.toml").is_file():
+        run_logged(["--resume", str(run_dir), "--no-watch"], [],
+                   run_dir.with_name(f"{run_dir.name}-resume{len(attempts) - 1}.log"))
+    else:
+        seeds = [f"experiment.seed={seed}"]  # every actor's seed (the task sets keep theirs)
+        _run("--run-dir", str(run_dir), sets=[*_harness_sets(harness), *seeds, "learner.keep_weights=1000", *sets],
+             log=run_dir.with_name(run_dir.name + ".log"))
+    attempts[-1].update(end=time.time(), done=True)
+    book.write_text(json.dumps(attempts))
+    return sum(a["end"] - a["start"] for a in attempts)
 
 
 def flawed_demonstrations(folder: Path, share: float, sets: list[str]) -> str:
@@ -171,10 +195,12 @@ def measure(base: Path, harness: str, seed: int, sets: list[str], run: bool, fla
     where = base / f"{harness}-seed{seed}"
     run_dir, eval_sft, eval_rl = where / "train", where / "eval-sft", where / "eval-rl"
     try:
-        if run:
+        if run and not (where / "wall_min.json").is_file():
             demos = [flawed_demonstrations(where / "demos", flawed, sets)] if flawed else []
             row.wall_min = train(run_dir, harness, seed, [*sets, *demos]) / 60
             policies = [(eval_sft, sft_policy(run_dir)), (eval_rl, latest_weights(run_dir))]
+            for eval_dir, _ in policies:  # one an earlier, killed invocation left part-way: evaluated again whole
+                shutil.rmtree(eval_dir, ignore_errors=True)
             # side by side: each is mostly waiting on its sandboxes
             with ThreadPoolExecutor(max_workers=2) as pool:
                 list(pool.map(lambda job: evaluate(job[0], harness, job[1], sets), policies))

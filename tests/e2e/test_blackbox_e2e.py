@@ -11,6 +11,7 @@ Codex binary is missing.
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -95,3 +96,15 @@ def test_blackbox_short_form_runs_every_stage_and_says_when_nothing_can_be_learn
     assert probe.returncode == 0, probe.stderr[-3000:]
     assert "| step | SFT loss | content | greedy | p_exact | minutes |" in probe.stdout
     assert next(ln for ln in probe.stdout.splitlines() if ln.startswith("| 2 |")), probe.stdout
+
+    # the same command again goes on where an invocation killed in its evaluations stopped: the training run is not
+    # repeated (one finished attempt in its book), the cut evaluation runs again whole, the row is the same
+    where = out / "codex-seed0"
+    (where / "wall_min.json").unlink()
+    shutil.rmtree(where / "eval-rl" / "eval")
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert again.returncode in (0, 1), again.stdout[-3000:] + again.stderr[-3000:]
+    attempts = json.loads((where / "train-attempts.json").read_text())
+    assert len(attempts) == 1 and attempts[0]["done"], attempts
+    assert (where / "eval-rl" / "eval" / "report.json").is_file()
+    assert next(x for x in again.stdout.splitlines() if x.startswith("| codex | 0 |")) == row
