@@ -15,6 +15,13 @@ With ``--ray-address`` (a running cluster whose nodes declare ``bridle_docker``)
 backend beside the local Docker backend: ``--starts`` quick rollouts, ``--starts-concurrency`` at a time; sandboxes
 started per second (rollouts / wall time) and the p50 start latency (from submission here to the harness's container
 started, on whichever node).
+
+    python benchmarks/sandbox.py --handouts 16 [--handout-concurrency 4] [--backends local,docker]
+
+Hand-outs with the warm pool against cold starts, in one run per backend: ``--handouts`` white-box rollouts (the
+scripted engine answers at once), ``--handout-concurrency`` at a time, cold (``[sandbox] warm = 0``) and from a
+pool of as many sandboxes, filled beforehand: sandboxes handed out per second (rollouts / time from the first
+queued to the last harness started) and the p50 / p95 of queued -> harness started.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ import msgspec
 import numpy as np
 
 from pipeline.messages import RolloutRequest
-from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend
+from pipeline.rollout.sandbox import DockerBackend, DockerSettings, LocalBackend, LocalSettings
+from pipeline.rollout.sandbox.base import SandboxCommon
 from pipeline.rollout.sandbox.local import MARKER_ID, MARKER_RUN
 from pipeline.rollout.sandbox.ray_backend import RayBackend, RaySettings
 from pipeline.rollout.taskgen import generate
@@ -196,6 +204,51 @@ async def starts(kind: str, n: int, concurrency: int, ray_address: str, tmp: Pat
             "p95": float(np.percentile(latency, 95))}
 
 
+async def handouts(kind: str, n: int, concurrency: int, tmp: Path) -> list[list[str]]:
+    """Cold vs a full warm pool of ``n``: hand-outs per second and start latency (see the module docstring)."""
+    task = materialize(generate("create_file", 0), tmp / f"handout-{kind}")
+    return [await handout_row(kind, warm, n, concurrency, task, tmp) for warm in (0, n)]
+
+
+async def handout_row(kind: str, warm: int, n: int, concurrency: int, task: Task, tmp: Path) -> list[str]:
+    common = SandboxCommon(warm=warm, workdir=str(tmp / "work"))
+    backend = (LocalBackend(LocalSettings(), common) if kind == "local"
+               else DockerBackend(DockerSettings(cpus=0.5, memory="256m"), common))
+    await backend.start()
+    sock = tmp / f"handout-{kind}-{warm}.sock"
+    ready: list[tuple[float, float]] = []
+    limiter = anyio.CapacityLimiter(concurrency)
+    async with scripted_proxy(sock) as proxy, anyio.create_task_group() as tg:
+        tg.start_soon(backend.keep_warm)
+
+        async def one(i: int) -> None:
+            r = RolloutRequest(rollout_id=f"h{warm}-{i}", group_id="h", index=i, group_size=1, task_id=task.id,
+                               harness="whitebox", token=f"t{i}", policy_version=0, timeout_s=120)
+            proxy.register(r)
+            async with limiter:
+                fin = await backend.run(r, task, proxy_url=proxy.base_url, proxy_socket=str(sock))
+            if fin.status != "ok":
+                raise RuntimeError(f"{kind}: rollout failed: {fin.status} {fin.details}")
+            ready.append((fin.timings.queued, fin.timings.sandbox_ready))
+
+        await one(-1)  # the pool learns the kind; images, payload and page cache warm for both
+        ready.clear()
+        if warm:
+            assert backend.pool is not None
+            with anyio.fail_after(600):
+                while backend.pool.ready < warm:  # noqa: ASYNC110 - no event says so
+                    await anyio.sleep(0.05)
+        async with anyio.create_task_group() as inner:
+            for i in range(n):
+                inner.start_soon(one, i)
+        tg.cancel_scope.cancel()
+    await backend.aclose()
+    lat = [b - a for a, b in ready]
+    span = max(b for _, b in ready) - min(a for a, _ in ready)
+    return [kind, "warm" if warm else "cold", f"{n / span:.2f}", f"{np.percentile(lat, 50) * 1e3:.0f}",
+            f"{np.percentile(lat, 95) * 1e3:.0f}"]
+
+
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="local,docker")
@@ -204,7 +257,18 @@ async def main() -> None:
     p.add_argument("--ray-address", default="", help="a Ray cluster: also compare the ray backend with docker")
     p.add_argument("--starts", type=int, default=64)
     p.add_argument("--starts-concurrency", type=int, default=8)
+    p.add_argument("--handouts", type=int, default=0, help="hand-outs from a warm pool vs cold starts (this many)")
+    p.add_argument("--handout-concurrency", type=int, default=4)
     args = p.parse_args()
+    if args.handouts:
+        with tempfile.TemporaryDirectory(prefix="bridle-bench-") as tmp:
+            rows = [r for kind in args.backends.split(",")
+                    for r in await handouts(kind, args.handouts, args.handout_concurrency, Path(tmp))]
+        print(f"\n{args.handouts} white-box rollouts, {args.handout_concurrency} at a time; {os.cpu_count()} cores")
+        print("backend | sandboxes | handed out / s | queued -> started p50 ms | p95 ms\n--- | --- | --- | --- | ---")
+        for r in rows:
+            print(" | ".join(r))
+        return
     if args.ray_address:
         with tempfile.TemporaryDirectory(prefix="bridle-bench-") as tmp:
             side = [await starts(kind, args.starts, args.starts_concurrency, args.ray_address, Path(tmp))

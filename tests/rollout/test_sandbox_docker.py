@@ -18,9 +18,10 @@ import msgspec
 import pytest
 
 from pipeline.messages import RolloutRequest
+from pipeline.rollout.harnesses import HARNESSES
 from pipeline.rollout.sandbox import DockerBackend, DockerSettings
 from pipeline.rollout.sandbox.base import SandboxCommon
-from pipeline.rollout.sandbox.docker import LABEL
+from pipeline.rollout.sandbox.docker import COMPILE_CACHE, LABEL
 from pipeline.rollout.scheduling import oracle_script
 from pipeline.rollout.taskgen import family_names, generate
 from pipeline.rollout.tasks import Task, materialize
@@ -37,6 +38,12 @@ SEEDS = (0, 1)
 def request(harness: str, task: Task, timeout_s: float = 120.0, rid: str = "r1") -> RolloutRequest:
     return RolloutRequest(rollout_id=rid, group_id="g", index=0, group_size=1, task_id=task.id, harness=harness,
                           token="tok", policy_version=0, timeout_s=timeout_s)
+
+
+def cache_files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder``: (size, mtime in ns)."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in folder.rglob("*") if p.is_file()}
 
 
 def variant(tmp: Path, name: str, solve: str, family: str = "create_file", seed: int = 0) -> Task:
@@ -286,12 +293,19 @@ async def test_real_harness_in_its_image_scores_one(images, tmp_path, harness, f
     sock = tmp_path / "proxy.sock"
     backend = DockerBackend(DockerSettings(**OFFLINE))
     await backend.start()
+    # A Node harness's payload holds Node's compile cache, filled once; every rollout reads it and none can change it
+    cache = (await backend.task_images.payload(HARNESSES[harness])) / COMPILE_CACHE
+    before = cache_files(cache)
     async with running_proxy(script, unix_socket=str(sock)) as (proxy, records, _):
         req = request(harness, task, timeout_s=240)
         proxy.register(req)
         fin = await backend.run(req, task, proxy_url=proxy.base_url, proxy_socket=str(sock))
     await backend.aclose()
     assert (fin.status, fin.reward) == ("ok", 1.0), fin.details
+    if HARNESSES[harness].needs_node:
+        assert len(before) > 100 and cache_files(cache) == before
+    else:
+        assert not cache.exists()
     calls = [r for r in records if type(r).__name__ == "ModelCall"]
     assert len(calls) >= len(script.default)
     # the harness echoes every scripted call as it was sampled: the demonstration is history token for token

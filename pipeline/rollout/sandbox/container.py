@@ -175,6 +175,10 @@ class DockerEngine:
     _killed: set[str]  # containers it killed itself
     gate: CreationGate  # the host-wide bound on creations (the backend's)
 
+    async def fill_compile_cache(self, harness: Any, payload: Path) -> None:
+        """Fill Node's compile cache in a freshly copied payload (the backend's; see DockerBackend)."""
+        raise NotImplementedError
+
     async def _remove(self, cid: str) -> None:
         import aiodocker
 

@@ -34,6 +34,7 @@ import aiohttp
 import anyio
 
 from pipeline.core.logs import get_logger
+from pipeline.core.paths import HARNESS_IMAGES
 from pipeline.core.runfiles import strip_setid
 from pipeline.core.runtime import on_emergency
 from pipeline.messages import RolloutRequest
@@ -67,7 +68,7 @@ from pipeline.rollout.sandbox.hardening import (
     seeded,
     write_seed,
 )
-from pipeline.rollout.sandbox.task_images import TaskImageError, TaskImages
+from pipeline.rollout.sandbox.task_images import DEFAULT_WORKDIR, TaskImageError, TaskImages
 from pipeline.rollout.sandbox.util import (
     parse_size,
     pid_alive,
@@ -78,11 +79,16 @@ from pipeline.rollout.sandbox.util import (
 )
 from pipeline.rollout.sandbox.warm import WAIT_EXEC, write_go
 from pipeline.rollout.tasks import Task, seed_workspace
+from pipeline.rollout.untrusted import printable
 
 log = get_logger(component="sandbox")
 
 CONTAINER_SOCKET = "/run/bridle/proxy.sock"
 GO_MOUNT = "/run/bridle/go"  # a pooled container's go/ folder, read-only: where its launch appears
+# Node's compile cache in a Node harness's payload: filled once, then read (read-only) by every rollout
+COMPILE_CACHE = "node-compile-cache"
+COMPILE_CACHE_TIMEOUT_S = 300.0
+MODEL_STUB = HARNESS_IMAGES / "base" / "model_stub.py"  # what the harness talks to while the cache fills
 
 
 @dataclass
@@ -253,7 +259,57 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
                             node=PAYLOAD_MOUNT + h.container_node if h.container_node else "", python="python3",
                             solution_dir="/solution" if h.needs_solution else "", whitebox_args=list(c.whitebox_args))
         box.launch = launch = h.launch(ctx, box.variant)
+        if h.needs_node:  # both Node harnesses enable Node's compile cache: theirs is filled ahead, read-only
+            launch.env.setdefault("NODE_COMPILE_CACHE", f"{PAYLOAD_MOUNT}/{COMPILE_CACHE}")
         return launch
+
+    async def fill_compile_cache(self, harness: Harness, payload: Path) -> None:
+        """Fill ``payload``/node-compile-cache: the harness runs one turn (start-up, a request, the answer "Done."
+        from model_stub.py, exit) in a container like a rollout's, network none, with its compile cache there and
+        writable. Every rollout then reads it, read-only: what a policy runs can never change the code later
+        rollouts load. Best effort: a harness that fails here leaves the cache as far as it got, and says so."""
+        cache, seed = payload / COMPILE_CACHE, payload.parent / f".{payload.name}-seed"
+        port = self.settings.forward_port
+        ctx = LaunchContext(workspace=DEFAULT_WORKDIR, home=CONTAINER_HOME, base_url=f"http://127.0.0.1:{port}",
+                            token="compile-cache", instruction="Reply with the word done.", model=self.common.model,
+                            max_turns=2, binary=PAYLOAD_MOUNT + harness.container_binary,
+                            node=PAYLOAD_MOUNT + harness.container_node, python="python3")
+        launch = harness.launch(ctx, "")
+
+        def lay_out() -> bool:
+            payload.chmod(0o755)  # as it is once published: the container's uid runs from it
+            cache.mkdir()
+            seed.mkdir()
+            files = write_seed(launch.files, seed, (DEFAULT_WORKDIR, "/tmp", CONTAINER_HOME, *harness.writable))
+            give_to(cache, *self.user)
+            give_to(seed, *self.user)
+            return files
+
+        owned: list[Any] = []
+        try:
+            argv = seeded(launch.argv) if await anyio.to_thread.run_sync(lay_out) else launch.argv
+            binds = [f"{payload}:{PAYLOAD_MOUNT}:ro", f"{cache}:{PAYLOAD_MOUNT}/{COMPILE_CACHE}",
+                     f"{seed}:{SEED_MOUNT}:ro", f"{MODEL_STUB}:/run/bridle/model_stub.py:ro"]
+            cmd = ["python3", "/run/bridle/model_stub.py", "--listen", f"127.0.0.1:{port}", "--", *argv]
+            env = {**launch.env, "NODE_COMPILE_CACHE": f"{PAYLOAD_MOUNT}/{COMPILE_CACHE}"}
+            config = self._container(BASE_IMAGE, DEFAULT_WORKDIR, harness, cmd, env, binds, None, self.file_bytes,
+                                     self._labels_for("", "helper"), kept_home=False)
+            config["HostConfig"]["NetworkMode"] = "none"
+            c = await self._create_start(config, {}, owned)
+            timed_out, state = await self._wait(c, COMPILE_CACHE_TIMEOUT_S)
+            failed = timed_out or state.get("ExitCode") != 0
+            output = await self._logs(c) if failed else ""
+        finally:
+            with anyio.CancelScope(shield=True):
+                for c in owned:
+                    await self._remove(c.id)
+                await anyio.to_thread.run_sync(rmtree, seed)
+        n = await anyio.to_thread.run_sync(_share, cache)
+        if failed or not n:
+            log.warning("compile_cache_partial", harness=harness.name, files=n, timed_out=timed_out,
+                        exit_code=state.get("ExitCode"), output=printable(output)[-400:])
+        else:
+            log.info("compile_cache_filled", harness=harness.name, files=n)
 
     def _mounts(self, root: Path, image: TaskImage, h: Harness, payload: Path) -> tuple[list[str], list]:
         """The binds every harness container has (workspace, HOME when kept, payload) and the size caps to watch."""
@@ -277,19 +333,22 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
         return ["python3", PAYLOAD_MOUNT + FORWARDER, "--listen", f"127.0.0.1:{s.forward_port}",
                 "--socket", CONTAINER_SOCKET, "--", *cmd]
 
-    def _container(self, image: TaskImage, h: Harness, cmd: list[str], env: dict[str, str], binds: list[str],
-                   limits: TaskLimits, file_cap: int, labels: dict[str, str]) -> dict[str, Any]:
+    def _container(self, ref: str, workdir: str, h: Harness, cmd: list[str], env: dict[str, str], binds: list[str],
+                   limits: TaskLimits | None, file_cap: int, labels: dict[str, str],
+                   kept_home: bool | None = None) -> dict[str, Any]:
+        """A harness container's create request; ``kept_home``: HOME bind-mounted (default: keep_workspaces)."""
         s, c = self.settings, self.common
+        kept_home = c.keep_workspaces if kept_home is None else kept_home
         return {
-            "Image": image.ref,
+            "Image": ref,
             "Entrypoint": [],  # the task image's own ENTRYPOINT must not wrap the harness
             "Cmd": cmd,
             "User": "{}:{}".format(*self.user),
             "Env": [f"{k}={v}" for k, v in env.items()],
-            "WorkingDir": image.workdir,
+            "WorkingDir": workdir,
             "Labels": labels,
             "HostConfig": {**self._host_config(binds, s.network, limits), **harness_host_config(
-                user=self.user, home="" if c.keep_workspaces else CONTAINER_HOME, writable=h.writable,
+                user=self.user, home="" if kept_home else CONTAINER_HOME, writable=h.writable,
                 tmp_bytes=self.tmp_bytes, home_bytes=self.home_bytes, open_files=s.open_files,
                 file_bytes=min(self.file_bytes, file_cap))},
         }
@@ -318,7 +377,7 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
         for part in ("app", "home", "seed", "solution"):
             if (root / part).exists():
                 give_to(root / part, *self.user)
-        box.config = self._container(image, h, cmd, launch.env, binds, limits, storage,
+        box.config = self._container(image.ref, image.workdir, h, cmd, launch.env, binds, limits, storage,
                                      self._labels(box.req, "harness"))
 
     # ------------------------------------------------------------------------------------------- warm pool
@@ -379,7 +438,7 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
             limits[0] = (limits[0][0], t.storage, limits[0][2])
             cmd = self._forwarded(["python3", "-S", "-c", WAIT_EXEC, GO_MOUNT], binds, t.harness, t.image,
                                   t.proxy_socket)
-            config = self._container(t.image, t.harness, cmd, {}, binds, t.limits, t.storage,
+            config = self._container(t.image.ref, t.image.workdir, t.harness, cmd, {}, binds, t.limits, t.storage,
                                      self._labels_for("", "warm"))
             created_at = time.time()
             container = await self._create_start(config, {}, owned)
@@ -504,6 +563,18 @@ class DockerBackend(DockerEngine, SandboxBackend[DockerSandbox]):
         finally:
             for c in owned:
                 await self._remove(c.id)
+
+
+def _share(folder: Path) -> int:
+    """Make the files under ``folder`` readable by every uid (the cache is read by whichever uid a sandbox runs as);
+    how many there are."""
+    n = 0
+    for d, _, names in os.walk(folder):
+        os.chmod(d, 0o755)
+        for name in names:
+            os.chmod(os.path.join(d, name), 0o644)
+            n += 1
+    return n
 
 
 def _check_image(image: TaskImage, task: Task, harness: str, cmd: list[str]) -> None:

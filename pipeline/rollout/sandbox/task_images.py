@@ -19,7 +19,9 @@ and ``bash``), then into each rollout's workspace folder, which is bind-mounted 
 A harness's payload (what its image adds to the base image, ``Harness.payload``, and the forwarder) is copied out of
 its image once per image id into a host folder that containers mount read-only at ``PAYLOAD_MOUNT``: the task's
 image is never changed or rebuilt per harness (a derived image per task and harness would store the payload once per
-task: hundreds of megabytes each for the Node harnesses), and one copy serves every task.
+task: hundreds of megabytes each for the Node harnesses), and one copy serves every task. A Node harness's payload
+also holds Node's compile cache, filled once as it is copied (``DockerBackend.fill_compile_cache``) and read by every
+rollout (``NODE_COMPILE_CACHE``, read-only).
 """
 
 from __future__ import annotations
@@ -275,12 +277,21 @@ class TaskImages:
         if info is None:
             raise TaskImageError(f"the {harness.name} harness's image {image} is missing; build it with `python run.py "
                                  "--build-images`")
-        dest = self.cache / "payloads" / f"{harness.name}-{info['Id'].removeprefix('sha256:')[:32]}"
+        # "-cc": with Node's compile cache filled (payloads copied before it existed are copied again)
+        name = f"{harness.name}-{info['Id'].removeprefix('sha256:')[:32]}{'-cc' if harness.needs_node else ''}"
+        dest = self.cache / "payloads" / name
         async with self._locks[f"payload:{dest}"]:
             if not await anyio.Path(dest).is_dir():
                 paths = [*harness.payload, FORWARDER]
                 out = await self._helper(image, ["sh", "-c", _PAYLOAD, "sh", f"{os.getuid()}:{os.getgid()}", *paths],
                                          dest, what=f"copy the {harness.name} harness out of {image}")
+                if harness.needs_node:
+                    try:
+                        await self.backend.fill_compile_cache(harness, out)
+                    except BaseException:
+                        with anyio.CancelScope(shield=True):
+                            await anyio.to_thread.run_sync(rmtree, out)
+                        raise
                 await anyio.to_thread.run_sync(_publish, out, dest)
         return dest
 
