@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from pipeline.tokens.conversation import Conversation
+from pipeline.tokens.from_wire import attribution
 
 COMPACTION_MARKERS = (
     "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.",  # Claude Code
@@ -46,8 +47,11 @@ def detect_label(protocol: str, headers: Any, body: dict[str, Any], conv: Conver
             return "subagent"
     if protocol == "anthropic" and (headers.get("x-claude-code-agent-id") or conv.model == subagent_model):
         return "subagent"
-    # The whole system prompt: OpenClaw 2026.9.6 puts its "## Subagent Context" section ~20,000 characters in.
-    system = " ".join(m.content for m in conv.messages if m.role == "system")
+    # The whole system prompt: OpenClaw 2026.9.6 puts its "## Subagent Context" section ~20,000 characters in;
+    # Claude Code's attribution block, which the policy never sees, says cc_is_subagent=true.
+    system = " ".join([m.content for m in conv.messages if m.role == "system"]
+                      + ([attribution(body.get("system"))] if protocol == "anthropic" and isinstance(body, dict)
+                         else []))
     if any(s in system for s in SUBAGENT_MARKERS):
         return "subagent"
     last_user = next((m.content for m in reversed(conv.messages) if m.role == "user"), "")

@@ -213,11 +213,35 @@ def from_chat(body: dict[str, Any]) -> Conversation:
 
 
 # ------------------------------------------------------------------------------------ anthropic messages
+# Claude Code's first system block is request metadata for Anthropic's API, not an instruction: its version, entry
+# point and a fingerprint of the conversation's first user message (``cc_version=2.1.197.2a3``; 7 values over 100
+# create_word tasks). Left in, every task's prompt would differ 22 tokens into Claude Code's 18.8k: no prefix shared
+# across tasks in the engine's cache, nor in a training tree (an SFT pack of 64 demonstrations: 210k tokens).
+ATTRIBUTION = "x-anthropic-billing-header:"
+
+
+def attribution(system: Any) -> str:
+    """The attribution blocks of an Anthropic ``system`` field, joined (what call labels read: Claude Code marks a
+    subagent's requests ``cc_is_subagent=true`` there)."""
+    if not isinstance(system, list):
+        return ""
+    return "\n".join(b["text"] for b in system if _is_attribution(b))
+
+
+def _is_attribution(block: Any) -> bool:
+    return (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)
+            and block["text"].startswith(ATTRIBUTION))
+
+
 def from_anthropic(body: dict[str, Any]) -> Conversation:
-    """Anthropic Messages request body -> Conversation (Claude Code's shape included)."""
+    """Anthropic Messages request body -> Conversation (Claude Code's shape included). The policy never sees the
+    attribution block (``ATTRIBUTION``)."""
     body = _obj(body, "body")
     msgs: list[Message] = []
-    system, images = _text_parts(body.get("system"), "system", ("text",))
+    raw_system = body.get("system")
+    if isinstance(raw_system, list):
+        raw_system = [b for b in raw_system if not _is_attribution(b)]
+    system, images = _text_parts(raw_system, "system", ("text",))
     if system or images:
         msgs.append(Message(role="system", content=system, images=images))
     for i, raw in enumerate(_list(body.get("messages"), "messages")):

@@ -259,11 +259,20 @@ class ChunkedTreeMask:
 
     def blocks(self) -> list[tuple[int, int, torch.Tensor]]:
         """(start, end, keys) per block of queries [start, end): the keys some query of the block can see
-        (``j < end`` and ``subtree_end[j] > start``; the others, earlier finished branches, are skipped)."""
+        (``j < end`` and ``subtree_end[j] > start``; the others, earlier finished branches, are skipped). With a
+        window, also only keys fewer than ``window`` positions before the block's shallowest query: a harness's
+        18k-token prompt then costs each block ``window`` keys, not 18k (exact: no query sees the others)."""
         se = self.subtree_end
         n = int(se.shape[0])
-        return [(start, min(n, start + self.chunk), torch.nonzero(se[: min(n, start + self.chunk)] > start).squeeze(1))
-                for start in range(0, n, self.chunk)]
+        out = []
+        for start in range(0, n, self.chunk):
+            end = min(n, start + self.chunk)
+            keys = torch.nonzero(se[:end] > start).squeeze(1)
+            if self.window:
+                assert self.positions is not None
+                keys = keys[self.positions[keys] > self.positions[start:end].min() - self.window]
+            out.append((start, end, keys))
+        return out
 
     def block_mask(self, start: int, end: int, keys: torch.Tensor) -> torch.Tensor:
         """The (end - start, len(keys)) boolean mask of queries [start, end) over ``keys``."""

@@ -271,6 +271,15 @@ def test_labels_from_request_features():
     assert detect_label("anthropic", {}, {}, conv, "policy-subagent") == "subagent"
     assert detect_label("anthropic", {"x-claude-code-agent-id": "a1"}, {}, from_anthropic(
         {"model": "policy", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}), "s") == "subagent"
+    # cc_is_subagent=true in Claude Code's attribution block, which the rendered prompt leaves out
+    body = {"model": "policy", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "system": [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.2a3; cc_is_subagent=true;"},
+        {"type": "text", "text": "You are Claude Code."}]}
+    conv = from_anthropic(body)
+    assert [m.content for m in conv.messages if m.role == "system"] == ["You are Claude Code."]
+    assert detect_label("anthropic", {}, body, conv, "s") == "subagent"
+    body["system"][0]["text"] = "x-anthropic-billing-header: cc_version=2.1.197.2a3;"
+    assert detect_label("anthropic", {}, body, conv, "s") == "main"
     plain = from_chat({"messages": [{"role": "user", "content": "x"}]})
     meta = json.dumps({"request_kind": "compaction", "thread_source": "user"})
     assert detect_label("responses", {"x-codex-turn-metadata": meta}, {}, plain, "s") == "compaction"

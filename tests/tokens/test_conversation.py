@@ -142,13 +142,27 @@ CLAUDE_CODE_BODY = {
 }
 
 
+def test_claude_code_fingerprint_never_splits_prompts():
+    # Claude Code's attribution block carries a fingerprint of the first user message: two tasks' requests differ
+    # there and nowhere else in the system prompt, so with it rendered no two tasks would share a prefix
+    import copy
+
+    other = copy.deepcopy(CLAUDE_CODE_BODY)
+    other["system"][0]["text"] = "x-anthropic-billing-header: cc_version=2.1.197.6bd; cc_entrypoint=sdk-cli;"
+    assert from_anthropic(other) == from_anthropic(CLAUDE_CODE_BODY)
+    plain = copy.deepcopy(CLAUDE_CODE_BODY)  # a plain string system prompt is the client's, kept whole
+    plain["system"] = "x-anthropic-billing-header: said as text"
+    assert from_anthropic(plain).messages[0].content == "x-anthropic-billing-header: said as text"
+
+
 def test_anthropic_claude_code_shape():
     c = from_anthropic(CLAUDE_CODE_BODY)
     assert c.protocol == "anthropic"
     assert c.sampling == RequestedSampling(max_tokens=64000, temperature=1.0, top_k=40, stop=["</stop>"], stream=True)
     roles = [m.role for m in c.messages]
     assert roles == ["system", "user", "assistant", "tool", "tool", "user", "system", "assistant"]
-    assert c.messages[0].content == "x-anthropic-billing-header: cc_version=2.1\nYou are Claude Code."
+    # the attribution block (a fingerprint of the first user message) is metadata: the policy never sees it
+    assert c.messages[0].content == "You are Claude Code."
     assert c.messages[1].content == "<system-reminder>ctx</system-reminder>\nFix the bug"
     a = c.messages[2]
     assert a.thinking == "Look first." and a.content == "Checking."

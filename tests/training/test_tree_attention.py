@@ -195,3 +195,8 @@ def test_a_sliding_window_model_trains_on_trees_as_transformers_runs_it():
             assert torch.allclose(got[:40], want[:40], atol=1e-5)
             assert torch.allclose(got[rows], want[40:], atol=1e-5)
             assert not torch.allclose(want, full(input_ids=path).logits[0], atol=1e-3)
+    # the window prunes the keys a block reads, not only masks them: exact (above) and fewer
+    windowed = ta.chunked_mask(subtree_end, 8, positions, 16)
+    seen = [len(k) for *_, k in windowed["sliding_attention"].blocks()]
+    unpruned = [len(k) for *_, k in windowed["full_attention"].blocks()]
+    assert sum(seen) < sum(unpruned) and max(seen) < max(unpruned), (seen, unpruned)
