@@ -11,9 +11,12 @@ Variants (`pipeline.rollout.scheduling.SCALING_VARIANTS`; docs/rollout.md, "Trai
 (S0T0O0C0W0 only), `published-k1` / `published-k2` (the paper's 18, K = 1 / 2, locality-aware),
 `published-k2-random` (K = 2 drawn at random), `repeat-2` (one configuration twice: the control for two passes),
 `random-18` (18 drawn at random outside the published held-out set), `all-243`. Compute is equal: every run has
-the file's steps, groups per step and group size (so as many RL rollouts), the same cold start (128
-demonstrations through S0T0O0C0W0, 10 SFT epochs) and, for one seed, the same task stream (K = 2 variants see
-half as many distinct tasks, twice each, as in the paper); the `RL rollouts` column shows it.
+the file's steps, groups per step and group size (so as many RL rollouts), a cold start of as many demonstrations
+and SFT updates (128 demonstrations, 10 SFT epochs), each through the variant's own training set (one
+configuration for `single`; `--set scheduler.sft_harnesses='"harness"'`: all through S0T0O0C0W0) and, for one
+seed, the same task stream (K = 2 variants see half as many distinct tasks, twice each, as in the paper); the
+`RL rollouts` column shows it. The same command again skips the (variant, seed) rows it finished (same plan and
+overrides) and reruns a row cut part-way, so a killed invocation goes on where it stopped.
 
 Per (variant, seed): `run.py --experiment scaling` with the variant's settings (no evaluation during training),
 then `run.py --eval --checkpoint` of its final policy, twice side by side on `[eval]`'s held-out tasks:
@@ -30,7 +33,8 @@ measurement. Run folders: DIR/<variant>-seed<N>/{train,eval-space,eval-oos}.
 The policy: the quickstart's shape (2 layers, hidden 128, a reduced vocabulary) with the black-box experiment's
 context (32,768 positions, a 512-position sliding window; configs/blackbox.toml says why), its vocabulary covering
 the white-box harness and the four real harnesses' answers, so the out-of-space column measures the policy, not a
-context-length error. 20 RL steps x 4 groups x 4 rollouts per run, 20 evaluation tasks (13 held out), 2 samples.
+context-length error. The quickstart's RL recipe (30 steps x 8 groups x 8 rollouts, lr 5e-4, k3 KL 0.05), 20
+evaluation tasks (13 held out), 2 samples.
 
 Cost on the 2-core, 24 GB machine (no GPU; another experiment running beside it), measured with `--variants
 published-k2 --seeds 0 --no-out-of-space --set run.steps=4`: training 2.4 minutes (2.1 of them fixed: building the
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -134,22 +139,57 @@ def eval_jobs(name: str, cols: dict[str, list[str]], sets: list[str]) -> list[tu
     return jobs
 
 
+def stages(where: Path, name: str, seed: int, cols: dict[str, list[str]],
+           sets: list[str]) -> list[tuple[str, list[str], list[str]]]:
+    """(folder, run.py arguments, overrides) of the row's runs: training, then its evaluations."""
+    train = ("train", ["--experiment", "scaling", "--run-dir", str(where / "train"), "--no-watch"],
+             train_sets(name, seed, sets))
+    return [train, *((folder, ["--eval", "--experiment", "scaling", "--checkpoint", str(where / "train"),
+                               "--run-dir", str(where / folder)], overrides)
+                     for folder, overrides in eval_jobs(name, cols, sets))]
+
+
+def _done(where: Path, stage: tuple[str, list[str], list[str]]) -> bool:
+    """Whether an earlier invocation finished this stage with the same overrides (``FOLDER.done.json``)."""
+    marker = where / f"{stage[0]}.done.json"
+    try:
+        return json.loads(marker.read_text()) == stage[2]
+    except (OSError, ValueError):
+        return False
+
+
+def finished(where: Path, name: str, seed: int, cols: dict[str, list[str]], sets: list[str]) -> bool:
+    return all(_done(where, st) for st in stages(where, name, seed, cols, sets))
+
+
 def run_one(where: Path, name: str, seed: int, cols: dict[str, list[str]], sets: list[str]) -> None:
-    """Train, then both evaluations side by side (each mostly waits on its sandboxes); wall minutes to wall.json."""
-    t0 = time.monotonic()
-    run_logged(["--experiment", "scaling", "--run-dir", str(where / "train"), "--no-watch"],
-               train_sets(name, seed, sets), where / "train.log")
-    t1 = time.monotonic()
+    """Train, then the evaluations side by side (each mostly waits on its sandboxes); wall minutes to wall.json.
+    A stage an earlier invocation finished with the same overrides is kept (a killed invocation goes on where it
+    stopped; a column added later evaluates the policy already trained); one cut part-way runs again whole, and
+    new training makes every evaluation stale."""
+    wall = json.loads((where / "wall.json").read_text()) if (where / "wall.json").is_file() else {}
+    train, *evals = stages(where, name, seed, cols, sets)
 
-    def evaluate(job: tuple[str, list[str]]) -> None:
-        folder, overrides = job
-        run_logged(["--eval", "--experiment", "scaling", "--checkpoint", str(where / "train"),
-                    "--run-dir", str(where / folder)], overrides, where / f"{folder}.log")
+    def run(stage: tuple[str, list[str], list[str]]) -> None:
+        folder, argv, overrides = stage
+        (where / f"{folder}.done.json").unlink(missing_ok=True)
+        shutil.rmtree(where / folder, ignore_errors=True)
+        run_logged(argv, overrides, where / f"{folder}.log")
+        (where / f"{folder}.done.json").write_text(json.dumps(overrides))
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(evaluate, eval_jobs(name, cols, sets)))
-    (where / "wall.json").write_text(json.dumps({"train_min": (t1 - t0) / 60,
-                                                 "eval_min": (time.monotonic() - t1) / 60}))
+    if not _done(where, train):
+        for folder, _, _ in evals:
+            (where / f"{folder}.done.json").unlink(missing_ok=True)
+        t0 = time.monotonic()
+        run(train)
+        wall = {"train_min": (time.monotonic() - t0) / 60}
+        (where / "wall.json").write_text(json.dumps(wall))
+    if todo := [st for st in evals if not _done(where, st)]:
+        t1 = time.monotonic()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(run, todo))
+        wall["eval_min"] = wall.get("eval_min", 0.0) + (time.monotonic() - t1) / 60
+        (where / "wall.json").write_text(json.dumps(wall))
 
 
 def read(where: Path, run: Run) -> None:
@@ -289,7 +329,8 @@ def main() -> int:
     for name, seed in todo:
         cols = None if args.from_dir else plan(name, args.configs, not args.no_out_of_space)
         if cols is not None:
-            print(f"{name}, seed {seed} ...", flush=True)
+            again = finished(base / f"{name}-seed{seed}", name, seed, cols, args.sets)
+            print(f"{name}, seed {seed}" + (": finished earlier, re-read" if again else " ..."), flush=True)
         rows[name].append(measure(base, name, seed, cols, args.sets))
         if rows[name][-1].error:
             print(rows[name][-1].error, file=sys.stderr, flush=True)

@@ -86,6 +86,10 @@ class SchedulerSettings(Section):
     # earlier runs' rollouts as demonstrations too: an --eval of a teacher, a --serve session (rejection-sampled)
     sft_recordings: Recordings | None = None
     sft_group_size: PosInt = 2  # rollouts per demonstration group
+    # Through which harnesses the demonstrations go: what the run trains on ("training": a mix's harnesses, each
+    # task through every one in turn; a scaling space's configurations, each task through the next of a seeded
+    # cycle over them), or ``harness`` alone ("harness": one format demonstrated, however many are trained on).
+    sft_harnesses: Literal["training", "harness"] = "training"
     temperature: NonNegFloat = 1.0  # the policy's sampling temperature
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0  # nucleus sampling (1: off)
     top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: off
@@ -158,8 +162,8 @@ class SchedulerSettings(Section):
 
 
 def training_harnesses(s: SchedulerSettings) -> list[str]:
-    """What a run with these settings trains on, in a stable order: ``harness`` (single mode; also every mode's
-    demonstrations), ``harnesses`` (mix), the space's training configurations (scaling)."""
+    """What a run with these settings trains on, in a stable order: ``harness`` (single mode), ``harnesses``
+    (mix), the space's training configurations (scaling)."""
     if s.mode == "single":
         return [s.harness]
     if s.mode == "mix":
@@ -169,7 +173,8 @@ def training_harnesses(s: SchedulerSettings) -> list[str]:
 
 # The training-set variants of the harness-scaling experiment (docs/rollout.md, "Training-set variants"), as the
 # [scheduler] settings each one sets over configs/scaling.toml. Steps, groups per step, group size, tasks, seeds and
-# the cold start's demonstrations are the file's for all of them, so each trains on as many rollouts.
+# the number of demonstrations are the file's for all of them, so each trains on as many rollouts; the
+# demonstrations go through the variant's own training set (sft_harnesses = "training").
 SCALING_VARIANTS: dict[str, dict[str, Any]] = {
     "single": {"mode": "single", "harness": "whitebox:S0T0O0C0W0"},
     "published-k1": {"mode": "scaling", "space": "published", "k": 1, "assignment": "locality"},
@@ -238,16 +243,20 @@ class Planner:
         others = [t for t in self.tasks if t.id != a.task.id] or self.tasks
         return Assignment(rng.choice(others), a.harness, a.step)
 
-    def demonstrations(self, n: int) -> list[Assignment]:
-        """The ``n`` cold-start demonstration groups. Mix mode: each task paired with every harness in turn, one
-        group per (task, harness) pair, so every harness gets its own SFT groups; otherwise ``n`` tasks with
-        ``harness``."""
-        harnesses = self.harnesses if self.mode == "mix" else [self.harness]
+    def demonstrations(self, n: int, harnesses: list[str], *, every: bool) -> list[Assignment]:
+        """The ``n`` cold-start demonstration groups through ``harnesses``. ``every``: each task paired with every
+        harness in turn, one group per (task, harness) pair (a mix's few harnesses, each with its own SFT groups);
+        otherwise each task through the next harness of a cycle over a seeded shuffle of them (a scaling space's
+        18-243 configurations: as many distinct tasks as groups, the configurations spread evenly)."""
         out: list[Assignment] = []
-        while len(out) < n:
-            t = self.next_task()
-            out += [Assignment(t, h, -1) for h in harnesses]
-        return out[:n]
+        if every:
+            while len(out) < n:
+                t = self.next_task()
+                out += [Assignment(t, h, -1) for h in harnesses]
+            return out[:n]
+        order = list(harnesses)
+        random.Random(f"{self.seed}/demonstrations").shuffle(order)  # its own draw: the training stream's is kept
+        return [Assignment(self.next_task(), order[i % len(order)], -1) for i in range(n)]
 
     def step(self, step: int) -> list[Assignment]:
         """The B groups of training step ``step``."""
@@ -420,7 +429,9 @@ class Issuer:
     def _demonstrations(self) -> list[Assignment]:
         """Every demonstration group, drawn at once on first use (before any training group, as they are issued)."""
         if self._sft is None:
-            self._sft = self.sft_planner.demonstrations(self.settings.sft_groups)
+            s = self.settings
+            harnesses = training_harnesses(s) if s.sft_harnesses == "training" else [s.harness]
+            self._sft = self.sft_planner.demonstrations(s.sft_groups, harnesses, every=s.mode == "mix")
         return self._sft
 
     def _step_assignments(self, step: int) -> list[Assignment]:

@@ -304,6 +304,21 @@ def test_harness_scaling_short_run(tmp_path):
     plan = json.loads((tmp_path / "hs" / "published-k2-seed0" / "plan.json").read_text())
     assert len(plan["held-out"]) == len(plan["trained"]) == 2 and plan["out-of-space"] == []
 
+    # the same command again re-reads the finished rows (a killed invocation goes on where it stopped)
+    rerun = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=120, check=False,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert rerun.returncode == 0 and rerun.stdout.count("finished earlier, re-read") == 2, rerun.stdout[-2000:]
+    assert [ln for ln in rerun.stdout.splitlines() if ln.startswith("| ")] == lines
+    # another evaluation plan evaluates the policy already trained again; the training is kept
+    trained = (tmp_path / "hs" / "single-seed0" / "train" / "metrics.jsonl").stat().st_mtime_ns
+    wider = [*cmd[:cmd.index("--variants")], "--variants", "single", *cmd[cmd.index("--seeds"):]]
+    wider[wider.index("--configs") + 1] = "3"
+    more = subprocess.run(wider, cwd=str(ROOT), capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert more.returncode == 0 and "single, seed 0 ..." in more.stdout, more.stdout[-2000:] + more.stderr[-2000:]
+    assert (tmp_path / "hs" / "single-seed0" / "train" / "metrics.jsonl").stat().st_mtime_ns == trained
+    assert len(json.loads((tmp_path / "hs" / "single-seed0" / "plan.json").read_text())["held-out"]) == 3
+
     # a row whose evaluation did not finish is refused, and the script fails
     (tmp_path / "hs" / "published-k2-seed0" / "eval-space" / "eval" / "report.json").unlink()
     again = subprocess.run([*script, "--from", str(tmp_path / "hs")], cwd=str(ROOT), capture_output=True, text=True,

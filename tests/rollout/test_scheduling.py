@@ -144,6 +144,30 @@ def test_every_variant_sees_the_same_tasks_for_one_seed(tasks):
     assert two[0] == two[1] and one[0] == two[0] and one[1] == two[2]  # K = 2 repeats each block's tasks
 
 
+@pytest.mark.parametrize("name", sorted(SCALING_VARIANTS))
+def test_each_variants_demonstrations_go_through_its_own_training_set(tmp_path, name):
+    """The cold start shows every format the variant trains on, spread evenly over its configurations, each
+    demonstration a task of its own; "harness" keeps the one-configuration cold start."""
+    from pipeline.rollout.scheduling import Issuer
+
+    many = generate_to(tmp_path / "tasks", "create_file", 60, seed=0)
+    s = SchedulerSettings(**SCALING_VARIANTS[name], sft_groups=54, sft_group_size=1, max_groups_in_flight=100)
+    _, p = variant(many, name)
+    sft = [i.assignment for i in Issuer(p, p, s, steps=1, groups_per_step=3).next(max_staleness=1)
+           if i.purpose == "sft"]
+    used = Counter(a.harness for a in sft)
+    trained = training_harnesses(s)
+    assert len(sft) == 54 and len({a.task.id for a in sft}) == 54 and set(used) <= set(trained)
+    if len(trained) <= 54:
+        assert set(used) == set(trained) and max(used.values()) - min(used.values()) == 0  # 54 = 3 x 18 (or 54 x 1)
+    else:  # all-243: 54 distinct configurations
+        assert len(used) == 54
+    one = SchedulerSettings(**SCALING_VARIANTS[name], sft_groups=5, sft_group_size=1, sft_harnesses="harness")
+    _, p = variant(many, name)
+    assert {i.assignment.harness for i in Issuer(p, p, one, steps=1, groups_per_step=3).next(max_staleness=1)
+            if i.purpose == "sft"} == {"whitebox:S0T0O0C0W0"}
+
+
 def test_variant_settings_validate_and_bad_combinations_are_refused():
     from actors import REGISTRY
     from pipeline.core import config as cfg
