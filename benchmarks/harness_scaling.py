@@ -99,6 +99,7 @@ class Run:
     values: dict[str, dict[str, float]] = field(default_factory=dict)
     steps: int = 0
     rollouts: int = 0
+    rewards: list[float] = field(default_factory=list)  # each RL step's mean training reward
     train_min: float | None = None
     eval_min: float | None = None
     error: str = ""
@@ -198,6 +199,7 @@ def read(where: Path, run: Run) -> None:
     steps = of_kind(load_metrics(where / "train" / "metrics.jsonl"), "rl_step")
     run.steps = len(steps)
     run.rollouts = sum(int(m.get("rollouts", 0)) for m in steps)
+    run.rewards = [float(m["reward_mean"]) for m in steps if "reward_mean" in m]
     if (where / "wall.json").is_file():
         wall = json.loads((where / "wall.json").read_text())
         run.train_min, run.eval_min = wall["train_min"], wall["eval_min"]
@@ -248,6 +250,14 @@ def _diff(a: dict[str, float], b: dict[str, float], col: str) -> Estimate:
     return paired_difference(_by_task(a), _by_task(b)) if col == "trained" else paired_difference(a, b)
 
 
+def _window(rewards: list[float], first: bool) -> str:
+    """The mean training reward of the first or last 5 RL steps ("n/a" with fewer than 5: nothing to compare)."""
+    if len(rewards) < 5:
+        return f"n/a ({len(rewards)} steps)"
+    w = rewards[:5] if first else rewards[-5:]
+    return f"{sum(w) / 5:.3f}"
+
+
 def describe(name: str) -> str:
     s = SchedulerSettings(**SCALING_VARIANTS[name])
     if s.mode == "single":
@@ -260,6 +270,7 @@ def describe(name: str) -> str:
 
 def table(rows: dict[str, list[Run]]) -> str:
     head = ("| variant | training set, K, assignment | seeds | RL steps | RL rollouts | train min | eval min | "
+            "reward first 5 | reward last 5 | "
             + " | ".join(f"{c} pass@1 [95 %]" for c in COLUMNS) + " | "
             + " | ".join(f"{c} - {BASELINE}, paired [95 %]" for c in COLUMNS) + " |")
     out = [head, "|" + " --- |" * (head.count("|") - 1)]
@@ -274,7 +285,8 @@ def table(rows: dict[str, list[Run]]) -> str:
         cells = [name, describe(name), ", ".join(str(r.seed) for r in runs), "/".join(str(r.steps) for r in runs),
                  "/".join(str(r.rollouts) for r in runs),
                  "/".join("n/a" if r.train_min is None else f"{r.train_min:.1f}" for r in runs),
-                 "/".join("n/a" if r.eval_min is None else f"{r.eval_min:.1f}" for r in runs)]
+                 "/".join("n/a" if r.eval_min is None else f"{r.eval_min:.1f}" for r in runs),
+                 *("/".join(_window(r.rewards, first) for r in runs) for first in (True, False))]
         for col in COLUMNS:
             vals = _pooled(runs, col)
             cells.append(mean_ci(list(vals.values())).text() if vals else "not run")

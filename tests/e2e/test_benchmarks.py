@@ -287,9 +287,9 @@ def test_harness_scaling_short_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
     head = [c.strip() for c in lines[0].split("|")[1:-1]]
-    assert head[:7] == ["variant", "training set, K, assignment", "seeds", "RL steps", "RL rollouts", "train min",
-                        "eval min"]
-    assert head[7:] == ["held-out pass@1 [95 %]", "trained pass@1 [95 %]", "out-of-space pass@1 [95 %]",
+    assert head[:9] == ["variant", "training set, K, assignment", "seeds", "RL steps", "RL rollouts", "train min",
+                        "eval min", "reward first 5", "reward last 5"]
+    assert head[9:] == ["held-out pass@1 [95 %]", "trained pass@1 [95 %]", "out-of-space pass@1 [95 %]",
                         "held-out - single, paired [95 %]", "trained - single, paired [95 %]",
                         "out-of-space - single, paired [95 %]"]
     rows = {c[0]: c for c in ([x.strip() for x in ln.split("|")[1:-1]] for ln in lines[2:])}
@@ -298,9 +298,10 @@ def test_harness_scaling_short_run(tmp_path):
     assert single[1] == "S0T0O0C0W0, K = 1" and k2[1] == "published 18, K = 2, locality"
     assert single[3:5] == k2[3:5] == ["1", "4"]  # compute held equal: 1 step of 2 groups x 2 rollouts each
     for r in (single, k2):
-        assert r[7][0].isdigit() and r[8][0].isdigit() and r[9] == "not run"  # pass@1 of two columns
-    assert single[10:] == ["—"] * 3
-    assert "(n=" in k2[10] and "(n=" in k2[11] and k2[12] == "not run"
+        assert r[7:9] == ["n/a (1 steps)"] * 2  # fewer than 5 steps: no window to compare
+        assert r[9][0].isdigit() and r[10][0].isdigit() and r[11] == "not run"  # pass@1 of two columns
+    assert single[12:] == ["—"] * 3
+    assert "(n=" in k2[12] and "(n=" in k2[13] and k2[14] == "not run"
     plan = json.loads((tmp_path / "hs" / "published-k2-seed0" / "plan.json").read_text())
     assert len(plan["held-out"]) == len(plan["trained"]) == 2 and plan["out-of-space"] == []
 
@@ -388,8 +389,9 @@ def test_harness_scaling_table_by_hand(tmp_path):
     def fake(name, seed, outcomes, statuses=None):
         where = tmp_path / f"{name}-seed{seed}"
         (where / "train").mkdir(parents=True)
-        (where / "train" / "metrics.jsonl").write_text(
-            json.dumps({"kind": "rl_step", "step": 1, "rollouts": 4}) + "\n")
+        (where / "train" / "metrics.jsonl").write_text("".join(  # 6 steps: training rewards 0.0 .. 0.5 (+ seed)
+            json.dumps({"kind": "rl_step", "step": i + 1, "rollouts": 4, "reward_mean": i / 10 + seed}) + "\n"
+            for i in range(6)))
         trained = trained_single if name == "single" else trained_k2
         (where / "plan.json").write_text(json.dumps({"held-out": [held], "trained": [trained], "out-of-space": []}))
         samples = [Sample(task_id=f"t{i}", family="f", harness=h, column="custom", reward=float(ok),
@@ -404,11 +406,12 @@ def test_harness_scaling_table_by_hand(tmp_path):
     lines = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
              for ln in hs.table(rows).splitlines()[2:]}
     single, k2 = lines["single"], lines["published-k2"]
-    assert single[1:4] == ["0, 1", "1/1", "4/4"] and single[6].startswith("0.250 [") and single[7].startswith("0.750 [")
-    assert k2[6].startswith("0.750 [") and k2[7].startswith("1.000 [") and k2[8] == "not run"
+    assert single[1:4] == ["0, 1", "6/6", "24/24"] and single[6:8] == ["0.200/1.200", "0.300/1.300"]
+    assert single[8].startswith("0.250 [") and single[9].startswith("0.750 [")
+    assert k2[8].startswith("0.750 [") and k2[9].startswith("1.000 [") and k2[10] == "not run"
     # held-out: 4 pairs, differences 1, 0, 1, 0; trained: per (seed, task) 0, 1, 0, 0
-    assert k2[9].startswith("0.500 [") and k2[9].endswith("(n=4)") and k2[10].startswith("0.250 [")
-    assert single[9:] == ["—"] * 3
+    assert k2[11].startswith("0.500 [") and k2[11].endswith("(n=4)") and k2[12].startswith("0.250 [")
+    assert single[11:] == ["—"] * 3
 
     rows["published-k2"][1] = fake("published-k2", 2, ([1, 1], [0, 0]), statuses={trained_k2: "sandbox_error"})
     line = next(ln for ln in hs.table(rows).splitlines() if ln.startswith("| published-k2 |"))
