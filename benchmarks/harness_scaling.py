@@ -6,6 +6,7 @@ policy evaluated on the same held-out tasks in three columns, paired against the
     python benchmarks/harness_scaling.py                              # every variant, seeds 0 and 1
     python benchmarks/harness_scaling.py --variants single published-k2 --seeds 0 --no-out-of-space --out DIR
     python benchmarks/harness_scaling.py --from DIR                   # re-print the table of an earlier invocation
+    python benchmarks/harness_scaling.py --out DIR --eval-set eval.tasks.count=60   # evaluate DIR's policies again
 
 Variants (`pipeline.rollout.scheduling.SCALING_VARIANTS`; docs/rollout.md, "Training-set variants"): `single`
 (S0T0O0C0W0 only), `published-k1` / `published-k2` (the paper's 18, K = 1 / 2, locality-aware),
@@ -15,8 +16,10 @@ the file's steps, groups per step and group size (so as many RL rollouts), a col
 and SFT updates (128 demonstrations, 10 SFT epochs), each through the variant's own training set (one
 configuration for `single`; `--set scheduler.sft_harnesses='"harness"'`: all through S0T0O0C0W0) and, for one
 seed, the same task stream (K = 2 variants see half as many distinct tasks, twice each, as in the paper); the
-`RL rollouts` column shows it. The same command again skips the (variant, seed) rows it finished (same plan and
-overrides) and reruns a row cut part-way, so a killed invocation goes on where it stopped.
+`RL rollouts` column shows it. Each stage of a row (training, each evaluation) is kept when an earlier invocation
+finished it with the same overrides, and a stage cut part-way runs again whole: the same command goes on where a
+killed one stopped, and another evaluation plan (`--configs`, `--eval-set`, the real harnesses) evaluates the
+policies already trained.
 
 Per (variant, seed): `run.py --experiment scaling` with the variant's settings (no evaluation during training),
 then `run.py --eval --checkpoint` of its final policy, twice side by side on `[eval]`'s held-out tasks:
@@ -58,6 +61,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,25 +133,27 @@ def train_sets(name: str, seed: int, sets: list[str]) -> list[str]:
     return [*variant_sets(name), *MODEL, *_seeds(seed), "eval.every_steps=0", *sets]
 
 
-def eval_jobs(name: str, cols: dict[str, list[str]], sets: list[str]) -> list[tuple[str, list[str]]]:
-    """(folder, overrides) of each evaluation: the white-box columns, and the real harnesses when planned."""
+def eval_jobs(name: str, cols: dict[str, list[str]], sets: list[str],
+              eval_sets: Sequence[str] = ()) -> list[tuple[str, list[str]]]:
+    """(folder, overrides) of each evaluation: the white-box columns, and the real harnesses when planned;
+    ``eval_sets`` last (the evaluations' own overrides)."""
     common = [*variant_sets(name), *MODEL, *EVAL]
     space = list(dict.fromkeys(cols["held-out"] + cols["trained"]))
-    jobs = [("eval-space", [*common, f"eval.harnesses={json.dumps(space)}", *sets])]
+    jobs = [("eval-space", [*common, f"eval.harnesses={json.dumps(space)}", *sets, *eval_sets])]
     if cols["out-of-space"]:
         jobs.append(("eval-oos", [*common, *OUT_OF_SPACE, f"eval.harnesses={json.dumps(cols['out-of-space'])}",
-                                  *sets]))
+                                  *sets, *eval_sets]))
     return jobs
 
 
-def stages(where: Path, name: str, seed: int, cols: dict[str, list[str]],
-           sets: list[str]) -> list[tuple[str, list[str], list[str]]]:
+def stages(where: Path, name: str, seed: int, cols: dict[str, list[str]], sets: list[str],
+           eval_sets: Sequence[str]) -> list[tuple[str, list[str], list[str]]]:
     """(folder, run.py arguments, overrides) of the row's runs: training, then its evaluations."""
     train = ("train", ["--experiment", "scaling", "--run-dir", str(where / "train"), "--no-watch"],
              train_sets(name, seed, sets))
     return [train, *((folder, ["--eval", "--experiment", "scaling", "--checkpoint", str(where / "train"),
                                "--run-dir", str(where / folder)], overrides)
-                     for folder, overrides in eval_jobs(name, cols, sets))]
+                     for folder, overrides in eval_jobs(name, cols, sets, eval_sets))]
 
 
 def _done(where: Path, stage: tuple[str, list[str], list[str]]) -> bool:
@@ -159,17 +165,19 @@ def _done(where: Path, stage: tuple[str, list[str], list[str]]) -> bool:
         return False
 
 
-def finished(where: Path, name: str, seed: int, cols: dict[str, list[str]], sets: list[str]) -> bool:
-    return all(_done(where, st) for st in stages(where, name, seed, cols, sets))
+def finished(where: Path, name: str, seed: int, cols: dict[str, list[str]], sets: list[str],
+             eval_sets: Sequence[str]) -> bool:
+    return all(_done(where, st) for st in stages(where, name, seed, cols, sets, eval_sets))
 
 
-def run_one(where: Path, name: str, seed: int, cols: dict[str, list[str]], sets: list[str]) -> None:
+def run_one(where: Path, name: str, seed: int, cols: dict[str, list[str]], sets: list[str],
+            eval_sets: Sequence[str]) -> None:
     """Train, then the evaluations side by side (each mostly waits on its sandboxes); wall minutes to wall.json.
     A stage an earlier invocation finished with the same overrides is kept (a killed invocation goes on where it
     stopped; a column added later evaluates the policy already trained); one cut part-way runs again whole, and
     new training makes every evaluation stale."""
     wall = json.loads((where / "wall.json").read_text()) if (where / "wall.json").is_file() else {}
-    train, *evals = stages(where, name, seed, cols, sets)
+    train, *evals = stages(where, name, seed, cols, sets, eval_sets)
 
     def run(stage: tuple[str, list[str], list[str]]) -> None:
         folder, argv, overrides = stage
@@ -219,14 +227,15 @@ def read(where: Path, run: Run) -> None:
                              f"excluded as infrastructure failures); see {folder.name}.log")
 
 
-def measure(base: Path, name: str, seed: int, cols: dict[str, list[str]] | None, sets: list[str]) -> Run:
+def measure(base: Path, name: str, seed: int, cols: dict[str, list[str]] | None, sets: list[str],
+            eval_sets: Sequence[str] = ()) -> Run:
     """Run (unless ``cols`` is None: re-read an earlier invocation) and read one (variant, seed)."""
     run, where = Run(name, seed), base / f"{name}-seed{seed}"
     try:
         if cols is not None:
             where.mkdir(parents=True, exist_ok=True)
             (where / "plan.json").write_text(json.dumps(cols))
-            run_one(where, name, seed, cols, sets)
+            run_one(where, name, seed, cols, sets, eval_sets)
         read(where, run)
     except (RuntimeError, OSError, ValueError, KeyError) as e:
         run.error = str(e) or type(e).__name__
@@ -328,6 +337,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="where the runs go (default: a new temporary folder)")
     ap.add_argument("--set", dest="sets", action="append", default=[],
                     help="a config override for every training run and evaluation (run.py --set)")
+    ap.add_argument("--eval-set", dest="eval_sets", action="append", default=[],
+                    help="a config override for the evaluations only (e.g. eval.tasks.count=60): the trained "
+                         "policies of an earlier invocation are evaluated again, not retrained")
     ap.add_argument("--from", dest="from_dir", type=Path, help="print the table of an earlier invocation; run nothing")
     args = ap.parse_args()
     base = args.from_dir or args.out or Path(tempfile.mkdtemp(prefix="bridle-harness-scaling-"))
@@ -341,9 +353,9 @@ def main() -> int:
     for name, seed in todo:
         cols = None if args.from_dir else plan(name, args.configs, not args.no_out_of_space)
         if cols is not None:
-            again = finished(base / f"{name}-seed{seed}", name, seed, cols, args.sets)
+            again = finished(base / f"{name}-seed{seed}", name, seed, cols, args.sets, args.eval_sets)
             print(f"{name}, seed {seed}" + (": finished earlier, re-read" if again else " ..."), flush=True)
-        rows[name].append(measure(base, name, seed, cols, args.sets))
+        rows[name].append(measure(base, name, seed, cols, args.sets, args.eval_sets))
         if rows[name][-1].error:
             print(rows[name][-1].error, file=sys.stderr, flush=True)
     print(table(rows))

@@ -314,11 +314,13 @@ def test_harness_scaling_short_run(tmp_path):
     trained = (tmp_path / "hs" / "single-seed0" / "train" / "metrics.jsonl").stat().st_mtime_ns
     wider = [*cmd[:cmd.index("--variants")], "--variants", "single", *cmd[cmd.index("--seeds"):]]
     wider[wider.index("--configs") + 1] = "3"
+    wider += ["--eval-set", "eval.samples=2"]  # the evaluations' own override: training is not touched
     more = subprocess.run(wider, cwd=str(ROOT), capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert more.returncode == 0 and "single, seed 0 ..." in more.stdout, more.stdout[-2000:] + more.stderr[-2000:]
     assert (tmp_path / "hs" / "single-seed0" / "train" / "metrics.jsonl").stat().st_mtime_ns == trained
     assert len(json.loads((tmp_path / "hs" / "single-seed0" / "plan.json").read_text())["held-out"]) == 3
+    assert json.loads((tmp_path / "hs" / "single-seed0" / "eval-space.done.json").read_text())[-1] == "eval.samples=2"
 
     # a row whose evaluation did not finish is refused, and the script fails
     (tmp_path / "hs" / "published-k2-seed0" / "eval-space" / "eval" / "report.json").unlink()
