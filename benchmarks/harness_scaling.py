@@ -39,17 +39,14 @@ the white-box harness and the four real harnesses' answers, so the out-of-space 
 context-length error. The quickstart's RL recipe (30 steps x 8 groups x 8 rollouts, lr 5e-4, k3 KL 0.05), 20
 evaluation tasks (13 held out), 2 samples.
 
-Cost on the 2-core, 24 GB machine (no GPU; another experiment running beside it), measured with `--variants
-published-k2 --seeds 0 --no-out-of-space --set run.steps=4`: training 2.4 minutes (2.1 of them fixed: building the
-policy once, 128 demonstrations, 160 SFT updates; then ~3.5 s per RL step of 16 rollouts), the white-box evaluation
-0.9 minutes (13 tasks x 12 configurations x 2 samples = 312 rollouts). Scaled to 20 steps: ~3.3 minutes of training
-and ~4.2 in all per (variant, seed), so `--no-out-of-space` takes ~1 hour for 7 variants x 2 seeds. The real
-harnesses were not run here (Docker was in use); from their measured rollout times (benchmarks/README.md,
-"Harnesses": 2.6-5.6 s for Claude Code and Codex, 16 s Qwen Code, 78 s OpenClaw, whose start-up dominates), their 52
-rollouts per policy take an estimated 8-10 minutes beside the white-box evaluation: ~13 minutes per (variant,
-seed), ~3 hours for the whole benchmark. `--configs 18` (every held-out configuration, 18 trained ones) triples the
-white-box evaluation (~2.7 minutes, hidden behind the real harnesses'); `--configs 0` would evaluate all-243 on every
-one of its 243.
+Cost on the 2-core, 24 GB machine (no GPU), measured on 2026-12-07 with the white-box columns: 15-19 minutes of
+training per (variant, seed) (~5 of them the cold start: building the policy once, 128 demonstrations, 160 SFT
+updates; then ~25 s per RL step of 64 rollouts: the learner's update on one thread, 20-27 s, with the next step's
+rollouts beside it) and ~1 minute of white-box evaluation (13 tasks x 12 configurations x 2 samples = 312 rollouts):
+~2 hours per seed for the 7 variants with `--no-out-of-space`. The real harnesses' 52 rollouts per policy (Claude Code
+and Codex 2.6-5.6 s each, Qwen Code 16 s, OpenClaw 26-78 s: benchmarks/README.md, "Harnesses") add an estimated 8-10
+minutes per row beside the white-box evaluation. `--configs 18` (every held-out configuration, 18 trained ones)
+triples the white-box evaluation; `--configs 0` would evaluate all-243 on every one of its 243.
 """
 
 from __future__ import annotations
