@@ -24,7 +24,10 @@ policies already trained.
 Per (variant, seed): `run.py --experiment scaling` with the variant's settings (no evaluation during training),
 then `run.py --eval --checkpoint` of its final policy, twice side by side on `[eval]`'s held-out tasks:
 - white-box, local sandboxes: `--configs` of the 18 published held-out configurations (the same for every
-  variant) and `--configs` of the configurations the variant trained on, each spread evenly over its set;
+  variant) and `--configs` of the configurations the variant trained on, each spread evenly over its set. The
+  default, 18, takes every held-out configuration: the published set has each level of each component 6 times,
+  and a subset is not balanced (6 of them spread by index hold 4 W2 and one W1, which favours a training set rich
+  in W2);
 - out-of-space (unless `--no-out-of-space`): Claude Code, Codex, Qwen Code, OpenClaw in Docker sandboxes, one sample
   per pair (`python run.py --build-images` first).
 The table: per variant, pass@1 [95 %] of each column over both seeds' (task, harness) pairs, then the paired
@@ -327,8 +330,9 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=list(SCALING_VARIANTS), choices=list(SCALING_VARIANTS),
                     metavar="NAME", help=f"default: all ({', '.join(SCALING_VARIANTS)})")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--configs", type=int, default=6,
-                    help="white-box configurations per column, spread evenly over the set (0: all of it)")
+    ap.add_argument("--configs", type=int, default=18,
+                    help="white-box configurations per column, spread evenly over the set (0: all of it; the "
+                         "default, 18, is the whole published held-out set, balanced by level)")
     ap.add_argument("--no-out-of-space", action="store_true",
                     help="skip the real harnesses (no Docker needed): the white-box columns only")
     ap.add_argument("--out", type=Path, help="where the runs go (default: a new temporary folder)")
