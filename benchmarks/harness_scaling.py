@@ -45,18 +45,17 @@ evaluation tasks (13 held out), 2 samples.
 Cost on the 2-core, 24 GB machine (no GPU), measured on 2026-12-07 with the white-box columns: 15-19 minutes of
 training per (variant, seed) (~5 of them the cold start: building the policy once, 128 demonstrations, 160 SFT
 updates; then ~25 s per RL step of 64 rollouts: the learner's update on one thread, 20-27 s, with the next step's
-rollouts beside it) and ~1 minute of white-box evaluation (13 tasks x 12 configurations x 2 samples = 312 rollouts):
-~2 hours per seed for the 7 variants with `--no-out-of-space`. The real harnesses' 52 rollouts per policy (Claude Code
-and Codex 2.6-5.6 s each, Qwen Code 16 s, OpenClaw 26-78 s: benchmarks/README.md, "Harnesses") add an estimated 8-10
-minutes per row beside the white-box evaluation. `--configs 18` (every held-out configuration, 18 trained ones)
-triples the white-box evaluation; `--configs 0` would evaluate all-243 on every one of its 243.
+rollouts beside it) and 3-4 minutes of white-box evaluation at the default `--configs 18` (13 tasks x up to 36
+configurations x 2 samples, up to 936 rollouts; `--configs 6`: ~1 minute): ~2.5 hours per seed for the 7 variants with
+`--no-out-of-space`. The real harnesses' 52 rollouts per policy (Claude Code and Codex 2.6-5.6 s each, Qwen Code 16 s,
+OpenClaw 26-78 s: benchmarks/README.md, "Harnesses") add an estimated 8-10 minutes per row beside the white-box
+evaluation. `--configs 0` would evaluate all-243 on every one of its 243.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -69,6 +68,7 @@ from pathlib import Path
 from _quickstart import run_logged  # benchmarks/ is sys.path[0] when run as a script
 
 from pipeline.cli.evaluate import load_report
+from pipeline.core.runfiles import remove_tree
 from pipeline.eval.estimators import Estimate, mean_ci, paired_difference, pass_at_k
 from pipeline.eval.plan import spread
 from pipeline.monitor.metrics import load_metrics, of_kind
@@ -182,7 +182,7 @@ def run_one(where: Path, name: str, seed: int, cols: dict[str, list[str]], sets:
     def run(stage: tuple[str, list[str], list[str]]) -> None:
         folder, argv, overrides = stage
         (where / f"{folder}.done.json").unlink(missing_ok=True)
-        shutil.rmtree(where / folder, ignore_errors=True)
+        remove_tree(where / folder)  # whatever an earlier, killed stage left, at any depth
         run_logged(argv, overrides, where / f"{folder}.log")
         (where / f"{folder}.done.json").write_text(json.dumps(overrides))
 
