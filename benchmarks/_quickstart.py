@@ -2,12 +2,45 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+CHILD_GRACE_S = 120.0  # run.py stops its sandboxes and engine on SIGTERM; after this it is killed
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_child(cmd: Sequence[str], **popen: Any) -> subprocess.CompletedProcess[Any]:
+    """``cmd`` in ``ROOT``, a child that does not outlive this process.
+
+    A benchmark is stopped with SIGTERM (``kill``, ``timeout``) as often as with Ctrl-C, and a plain
+    ``subprocess.run`` would leave its ``run.py`` running on, orphaned, holding the CPU and its sandboxes. Here
+    SIGTERM, Ctrl-C or any error while waiting is passed on to the child as SIGTERM, and the child is killed if it
+    has not stopped within CHILD_GRACE_S; then the interruption goes on up.
+    """
+    with subprocess.Popen(cmd, cwd=ROOT, **popen) as proc:
+        previous = signal.signal(signal.SIGTERM, _interrupted)
+        try:
+            out, err = proc.communicate()
+        except BaseException:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(CHILD_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
 def run_quickstart(run_dir: Path, sets: Iterable[str]) -> subprocess.CompletedProcess[str]:
@@ -16,7 +49,7 @@ def run_quickstart(run_dir: Path, sets: Iterable[str]) -> subprocess.CompletedPr
            "--set", 'monitor.display="off"']
     for s in sets:
         cmd += ["--set", s]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    return run_child(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def run_logged(args: Sequence[str], sets: Iterable[str], log: Path) -> None:
@@ -27,7 +60,7 @@ def run_logged(args: Sequence[str], sets: Iterable[str], log: Path) -> None:
         cmd += ["--set", s]
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
-        r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False)
+        r = run_child(cmd, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode:
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"run.py {' '.join(args)} exited {r.returncode}; log {log}:\n{tail}")

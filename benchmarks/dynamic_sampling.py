@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _quickstart import ROOT, run_quickstart  # benchmarks/ is sys.path[0] when run as a script
+from _quickstart import run_child, run_quickstart  # benchmarks/ is sys.path[0] when run as a script
 
 from pipeline.core.eventlog import EventLogReader
 from pipeline.eval.estimators import Estimate, paired_difference, pass_at_k
@@ -61,7 +61,7 @@ def run_one(where: Path, resample: int, seed: int, sets: list[str]) -> None:
     (where / "wall_min.json").write_text(json.dumps((time.monotonic() - t0) / 60))
     cmd = [sys.executable, "run.py", "--eval", "--experiment", "quickstart", "--checkpoint", str(train),
            "--run-dir", str(ev), "--set", 'monitor.display="off"', *(x for s in sets for x in ("--set", s))]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    r = run_child(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if r.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-3000:]}")
 

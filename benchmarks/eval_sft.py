@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _quickstart import ROOT, run_quickstart
+from _quickstart import ROOT, run_child, run_quickstart
 
 
 def evaluate(out: Path, name: str, policy: list[str], tasks: int, samples: int) -> Path:
@@ -24,7 +24,7 @@ def evaluate(out: Path, name: str, policy: list[str], tasks: int, samples: int) 
     cmd = [sys.executable, "run.py", "--eval", "--experiment", "quickstart", "--run-dir", str(run_dir), *policy,
            "--set", 'monitor.display="off"', "--set", f"eval.tasks.count={tasks}", "--set", f"eval.samples={samples}",
            "--set", f"eval.ks=[1, {min(samples, 2)}]"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    r = run_child(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if r.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
     return run_dir

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -428,3 +429,29 @@ def test_viewer_benchmark_short_run():
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.search(r"^\| 12 \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.]+ \|$", r.stdout, re.MULTILINE), r.stdout
     assert "goal: n/a (no size >= 2,000)" in r.stdout
+
+
+def test_a_stopped_benchmark_stops_its_run_child(tmp_path):
+    """SIGTERM to a benchmark reaches its run.py child (run.py stops its sandboxes on it) instead of orphaning it."""
+    child = ("import os, signal, sys, time, pathlib\n"
+             "d = pathlib.Path(sys.argv[1])\n"
+             "signal.signal(signal.SIGTERM, lambda *a: ((d / 'term').write_text('1'), sys.exit(0)))\n"
+             "(d / 'pid').write_text(str(os.getpid()))\n"
+             "time.sleep(60)\n")
+    parent = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+              "from _quickstart import run_child\n"
+              f"run_child([sys.executable, '-c', {child!r}, {str(tmp_path)!r}])\n"
+              "print('not reached')\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(300):
+        if (tmp_path / "pid").exists():
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    pid = int((tmp_path / "pid").read_text())
+    proc.terminate()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "not reached" not in out, (out, err)
+    assert (tmp_path / "term").exists(), "the child was not sent SIGTERM"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
