@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import FrameType
@@ -12,9 +13,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD_GRACE_S = 120.0  # run.py stops its sandboxes and engine on SIGTERM; after this it is killed
+_LIVE: set[subprocess.Popen[Any]] = set()  # run_child's children still running, from every thread
+_LIVE_LOCK = threading.Lock()
 
 
-def _interrupted(signum: int, frame: FrameType | None) -> None:
+def _stop_children(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM to a benchmark: passed on to every child still running (evaluations run in worker threads, which
+    signals never interrupt), then the main thread is interrupted."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for proc in live:
+        proc.send_signal(signal.SIGTERM)  # a no-op for one that has ended
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -23,11 +32,15 @@ def run_child(cmd: Sequence[str], **popen: Any) -> subprocess.CompletedProcess[A
 
     A benchmark is stopped with SIGTERM (``kill``, ``timeout``) as often as with Ctrl-C, and a plain
     ``subprocess.run`` would leave its ``run.py`` running on, orphaned, holding the CPU and its sandboxes. Here
-    SIGTERM, Ctrl-C or any error while waiting is passed on to the child as SIGTERM, and the child is killed if it
-    has not stopped within CHILD_GRACE_S; then the interruption goes on up.
+    SIGTERM (once a child was started from the main thread, which installs the handler) reaches every running child
+    as SIGTERM; Ctrl-C or an error while waiting stops this call's child the same way; a child that has not stopped
+    within CHILD_GRACE_S is killed; then the interruption goes on up.
     """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_children)
     with subprocess.Popen(cmd, cwd=ROOT, **popen) as proc:
-        previous = signal.signal(signal.SIGTERM, _interrupted)
+        with _LIVE_LOCK:
+            _LIVE.add(proc)
         try:
             out, err = proc.communicate()
         except BaseException:
@@ -39,7 +52,8 @@ def run_child(cmd: Sequence[str], **popen: Any) -> subprocess.CompletedProcess[A
                 proc.wait()
             raise
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            with _LIVE_LOCK:
+                _LIVE.discard(proc)
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 

@@ -318,16 +318,18 @@ async def _engine(args: argparse.Namespace) -> dict[str, Any]:
         model = Qwen3ForCausalLM(cfg)
     vocab = cfg.vocab_size
     res: dict[str, Any] = {"device": device, "vocab": vocab, "layers": cfg.num_hidden_layers}
+    # --quick (a CPU dry run of the script, in CI): fewer and shorter requests, the same checks
+    n, new = (8, 24) if args.quick else (16, 48)
     prompts = [[IM_START] + [(i * 131 + j * 7) % (vocab - 10) + 5 for j in range(20 + 23 * i)] + [IM_END]
-               for i in range(16)]  # 16 different lengths: the batch is left-padded
-    sampling = [EngineSampling(temperature=1.0, max_new_tokens=48, ignore_eos=True, seed=i) for i in range(16)]
+               for i in range(n)]  # n different lengths: the batch is left-padded
+    sampling = [EngineSampling(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=i) for i in range(n)]
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         del model
         engine_lp: dict[str, list[torch.Tensor]] = {}
         sampled: dict[str, list[list[int]]] = {}
         for dtype in ("bfloat16", "float32"):
-            async with launch_embedded(tmp, device=device, dtype=dtype, max_running_requests=16, timeout_s=300,
+            async with launch_embedded(tmp, device=device, dtype=dtype, max_running_requests=n, timeout_s=300,
                                        log_path=args.out / f"engine-{dtype}.log", threads=4) as client:
                 info = await client.model_info()
                 print(f"engine up: dtype {info['dtype']}, device {info['device']}, vocab {info['model_vocab_size']}",
@@ -336,22 +338,23 @@ async def _engine(args: argparse.Namespace) -> dict[str, Any]:
                 if dtype == "bfloat16":
                     print(f"{'concurrency':>11} {'agg tok/s':>10} {'x c=1':>6} {'s/request':>9} {'mean batch':>10}")
                     base = None
-                    for c in (1, 16):
+                    for c in (1, n):
                         before = await client.server_info()
-                        tps, lat = await measure(client, c, 512, 32 if args.quick else 128, 2)
+                        tps, lat = await measure(client, c, 128 if args.quick else 512, 16 if args.quick else 128,
+                                                 1 if args.quick else 2)
                         after = await client.server_info()
                         steps = after["decode_steps"] - before["decode_steps"]
                         occ = (after["decoded_tokens"] - before["decoded_tokens"]) / max(steps, 1)
                         base = base or tps
                         res[f"tok_s_c{c}"] = tps
                         print(f"{c:>11} {tps:>10.1f} {tps / base:>6.2f} {lat:>9.2f} {occ:>10.1f}", flush=True)
-                outs: list[Any] = [None] * 16
+                outs: list[Any] = [None] * n
 
                 async def one(i: int, client=client, outs=outs) -> None:
                     outs[i] = await client.generate(prompts[i], sampling[i], rid=f"tf-{i}")
 
                 async with anyio.create_task_group() as tg:
-                    for i in range(16):
+                    for i in range(n):
                         tg.start_soon(one, i)
                 res[f"max_batch_{dtype}"] = (await client.server_info())["max_batch"]
             engine_lp[dtype] = [torch.tensor(o.logprobs) for o in outs]
@@ -380,7 +383,7 @@ async def _engine(args: argparse.Namespace) -> dict[str, Any]:
     res.update(errs)
     ok32 = errs["engine_float32_vs_tf_float32"] <= 1e-3
     ok16 = errs["engine_bfloat16_vs_tf_float32"] <= max(2 * errs["tf_bfloat16_vs_tf_float32"], 1e-2)
-    print("\nlogprobs of 16 concurrent sampled requests (48 tokens each, T=1, left-padded batch) against a "
+    print(f"\nlogprobs of {n} concurrent sampled requests ({new} tokens each, T=1, left-padded batch) against a "
           "teacher-forced forward of the same weights (max |difference| over all tokens):")
     for k, v in errs.items():
         print(f"  {k:<32} {v:.2e}")
