@@ -52,9 +52,10 @@ from pipeline.core.config import apply_overrides, resolve_experiment_path
 from pipeline.core.eventlog import EventLogReader
 from pipeline.core.logs import configure
 from pipeline.eval.estimators import Estimate, paired_difference, pass_at_k
-from pipeline.messages import PolicyUpdated
+from pipeline.messages import PolicyUpdated, ids
 from pipeline.monitor.metrics import load_metrics, of_kind
 from pipeline.rollout.scheduling import TaskSource, load_tasks
+from pipeline.tokens.tokenizer import QwenTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,7 +82,21 @@ class Row:
     # what the first model call of each unsolved RL rollout produced, as the proxy parsed it (CallTrace.output): a
     # tool call the harness ran (so the arguments were wrong), a malformed call, a plain answer, nothing
     unsolved_first: Counter[str] = field(default_factory=Counter)
+    # tokens from the end of the task's instruction to the end of each RL rollout's first prompt, against how far
+    # back the policy's first output can see at all (None: full attention): a harness that puts its own text after
+    # the instruction can put the task out of the policy's sight, and then nothing is learned
+    distances: list[int] = field(default_factory=list)
+    reach: int | None = None
     error: str = ""
+
+
+# What a harness needs of the policy beyond configs/blackbox.toml. Claude Code 2.1.197 follows the task's instruction
+# with a system message of its own (its agent types and skills): the instruction ends ~1,384 tokens before the first
+# output, beyond what the config's 2 layers with a 512-token window can see (2 x 511; perturbing the instruction leaves
+# the first output's logits bit-identical), so its policy gets a 2,048-token window, in a model folder of its own.
+# The table's last column shows each row's distance and reach.
+POLICY_SETS = {"claude-code": ["experiment.build_model.sliding_window=2048",
+                               'run.model="runs/cache/blackbox-model-v2-w2048"']}
 
 
 def _harness_sets(harness: str) -> list[str]:
@@ -92,6 +107,7 @@ def _run(*args: str, sets: list[str], log: Path) -> None:
     run_logged(["--experiment", EXPERIMENT, "--no-watch", *args], sets, log)
 
 
+SIGHT_SAMPLE = 64  # RL rollouts whose instruction distance is measured (a harness lays out every task alike)
 ATTEMPTS = "train-attempts.json"  # {"start", "end", "done"} per attempt, epoch seconds; a killed one has no end
 
 
@@ -115,7 +131,8 @@ def train(run_dir: Path, harness: str, seed: int, sets: list[str]) -> float:
                    run_dir.with_name(f"{run_dir.name}-resume{len(attempts) - 1}.log"))
     else:
         seeds = [f"experiment.seed={seed}"]  # every actor's seed (the task sets keep theirs)
-        _run("--run-dir", str(run_dir), sets=[*_harness_sets(harness), *seeds, "learner.keep_weights=1000", *sets],
+        _run("--run-dir", str(run_dir), sets=[*_harness_sets(harness), *POLICY_SETS.get(harness, []), *seeds,
+                                              "learner.keep_weights=1000", *sets],
              log=run_dir.with_name(run_dir.name + ".log"))
     attempts[-1].update(end=time.time(), done=True)
     book.write_text(json.dumps(attempts))
@@ -169,9 +186,12 @@ def training_facts(run_dir: Path, row: Row) -> None:
     if rewards:
         head, tail = rewards[:5], rewards[-5:]
         row.first5, row.last5 = sum(head) / len(head), sum(tail) / len(tail)
+    tok = QwenTokenizer()
     for s in (r.rollout for r in recorded_rollouts(run_dir / "events.msgpack")):
         if s.request.purpose != "train":
             continue
+        if len(row.distances) < SIGHT_SAMPLE and (d := instruction_distance(s, tok)) is not None:
+            row.distances.append(d)
         row.statuses[s.finished.status] += 1
         st = build_tree(s, TreeOptions()).stats
         row.trainable += st.tokens_trainable
@@ -180,6 +200,37 @@ def training_facts(run_dir: Path, row: Row) -> None:
             row.per_outcome[s.finished.reward > 0].append((st.tokens_output, len(s.calls)))
             if s.finished.reward <= 0:
                 row.unsolved_first[_first_output(s)] += 1
+
+
+def policy_reach(policy: Path) -> int | None:
+    """How far back a policy's output can be influenced by its prompt: each sliding-window layer looks window - 1
+    positions further back, so layers x (window - 1); None for full attention (the whole prompt)."""
+    c = json.loads((policy / "config.json").read_text(encoding="utf-8"))
+    window = c.get("sliding_window") if "sliding_attention" in (c.get("layer_types") or []) else None
+    return c["num_hidden_layers"] * (window - 1) if window else None
+
+
+def instruction_distance(s, tok) -> int | None:
+    """About how many tokens lie between the end of the task's instruction (its last line) and the end of the
+    rollout's first prompt; None when the prompt does not contain that line. Found by decoding: the shortest tail of
+    the prompt whose text holds the line (a longer tail holds it too, so a binary search finds it)."""
+    main = sorted((c for c in s.calls if c.label == "main"), key=lambda c: c.seq)
+    instruction = Path(s.request.task_path) / "instruction.md"
+    if not main or not instruction.is_file():
+        return None
+    lines = instruction.read_text(encoding="utf-8").strip().splitlines()
+    prompt = ids(main[0].input_ids).tolist()
+    if not lines or lines[-1].strip() not in tok.decode(prompt):
+        return None
+    line = lines[-1].strip()
+    lo, hi = 1, len(prompt)  # the shortest tail holding it lies in (lo - 1, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if line in tok.decode(prompt[-mid:]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return max(0, hi - len(tok.encode(line)))
 
 
 def _first_output(s) -> str:
@@ -207,6 +258,7 @@ def measure(base: Path, harness: str, seed: int, sets: list[str], run: bool, fla
             (where / "wall_min.json").write_text(json.dumps(row.wall_min))
         elif (where / "wall_min.json").is_file():
             row.wall_min = json.loads((where / "wall_min.json").read_text())
+        row.reach = policy_reach(sft_policy(run_dir))
         training_facts(run_dir, row)
         row.sft, sft_pairs = pass1(eval_sft)
         row.rl, rl_pairs = pass1(eval_rl)
@@ -242,7 +294,8 @@ def _shares(counts: Counter[str]) -> str:
 def table(rows: list[Row]) -> str:
     head = ("| harness | seed | SFT pass@1 [95 %] | RL pass@1 [95 %] | RL - SFT, paired [95 %] | reward first 5 | "
             "reward last 5 | RL steps | wall min | trainable / sampled tokens | RL rollouts by status | "
-            "tokens, calls per rollout: solved / unsolved | unsolved: first call |")
+            "tokens, calls per rollout: solved / unsolved | unsolved: first call | instruction → end of prompt, median "
+            "(max) / policy reach, tokens |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         if r.error and r.diff is None:
@@ -254,8 +307,19 @@ def table(rows: list[Row]) -> str:
         lines.append(f"| {r.harness} | {r.seed} | {_est(r.sft)} | {_est(r.rl)} | {diff} | {_num(r.first5, '.3f')} | "
                      f"{_num(r.last5, '.3f')} | {r.steps} | {_num(r.wall_min, '.0f')} | {share} | {statuses} | "
                      f"{_lengths(r.per_outcome[True])} / {_lengths(r.per_outcome[False])} | "
-                     f"{_shares(r.unsolved_first)} |")
+                     f"{_shares(r.unsolved_first)} | {_sight(r)} |")
     return "\n".join(lines)
+
+
+def _sight(r: Row) -> str:
+    """The instruction's distance from the first output against the policy's reach; "out of sight" when the policy
+    cannot read the task in most rollouts (then no amount of training helps)."""
+    reach = "all" if r.reach is None else f"{r.reach:,}"
+    if not r.distances:
+        return f"n/a (0) / {reach}"
+    d = sorted(r.distances)
+    out = r.reach is not None and d[len(d) // 2] > r.reach
+    return f"{d[len(d) // 2]:,} ({d[-1]:,}) / {reach}" + (" **out of sight**" if out else "")
 
 
 def learned(r: Row) -> bool:

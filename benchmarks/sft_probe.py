@@ -8,8 +8,9 @@ It reads the cold-start demonstrations a run recorded through a harness (``colle
 packs them as the tree builder does, trains a freshly built model of the given shape with the learner's own SFT
 step, and every ``--eval-every`` steps measures on held-out demonstrations, teacher-forced:
 
-- ``content``: accuracy of the tokens the answer copies from the instruction (file name, extension, word): what the
-  task is about; chance is the share of the most common choice;
+- ``content``: accuracy of the tokens the answer copies from the instruction (file name, extension, word; a token
+  counts by its text, so a copy inside a JSON string counts too): what the task is about; chance is the share of the
+  most common choice;
 - ``greedy``: the share of demonstrations whose every trained token is the model's argmax (what greedy decoding
   would write);
 - ``p_exact``: the mean probability that sampling at temperature 1 writes the demonstration exactly.
@@ -71,7 +72,12 @@ class HeldOut:
         self.paths = expand_paths(group.packed)
         tok = qwen3_renderer(enable_thinking=False).tokenizer
         self.create = int(table.to_compact(tok.encode("Create"))[0])
-        self.boiler = set(table.to_compact(tok.encode(" containing:\n")).tolist()) | {0}
+        # each compact id's text without its leading space or quote: a harness writes the copied name and word
+        # as the instruction spells them (Codex's shell line: " b") or inside JSON strings (Claude Code's
+        # "file_path": "b.txt": another token, "b"), and both count as the copy
+        self.text = np.array([tok.decode([q]).strip().strip('"') for q in table.ids], dtype=object)
+        self.text[0] = ""  # the UNK row
+        self.boiler = {self.text[c] for c in table.to_compact(tok.encode(" containing:\n")).tolist()} | {""}
 
     def measure(self, policy: torch.nn.Module) -> dict[str, float]:
         from transformers import AutoModelForCausalLM
@@ -90,8 +96,8 @@ class HeldOut:
                 p_exact.append(float(logp[torch.arange(len(target)), torch.tensor(target)].numpy()[trained].sum()))
                 # the instruction's own tokens ("Create file NAME containing: WORD"), boilerplate left out
                 at = np.flatnonzero(seq == self.create)
-                said = set(seq[at[-1] + 2: at[-1] + 8].tolist()) - self.boiler if len(at) else set()
-                copied = trained & np.isin(target, list(said))
+                said = {self.text[t] for t in seq[at[-1] + 2: at[-1] + 8]} - self.boiler if len(at) else set()
+                copied = trained & np.isin(self.text[target], list(said))
                 if copied.any():
                     content.append(float(hit[copied].mean()))
         return {"content": float(np.mean(content)) if content else float("nan"), "greedy": float(np.mean(greedy)),
@@ -130,8 +136,8 @@ def main() -> None:
     if len(demos) < a.train + a.heldout:
         raise SystemExit(f"{a.log}: {len(demos)} demonstrations scored 1; --train + --heldout needs "
                          f"{a.train + a.heldout}")
-    packs = [compact(pack_demonstrations(demos[i:i + a.pack], f"p{i}"), table)
-             for i in range(0, a.train, a.pack)]
+    packs = [compact(pack_demonstrations(demos[i:min(i + a.pack, a.train)], f"p{i}"), table)
+             for i in range(0, a.train, a.pack)]  # never past --train: the held-out ones stay held out
     held = HeldOut(compact(pack_demonstrations(demos[-a.heldout:], "held"), table), table)
     if a.weights is not None:
         from transformers import AutoModelForCausalLM

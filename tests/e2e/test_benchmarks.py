@@ -431,27 +431,78 @@ def test_viewer_benchmark_short_run():
     assert "goal: n/a (no size >= 2,000)" in r.stdout
 
 
-def test_a_stopped_benchmark_stops_its_run_child(tmp_path):
-    """SIGTERM to a benchmark reaches its run.py child (run.py stops its sandboxes on it) instead of orphaning it."""
+def test_a_stopped_benchmark_stops_its_run_children(tmp_path):
+    """SIGTERM to a benchmark reaches its run.py children (run.py stops its sandboxes on it), the one it waits on and
+    one a worker thread waits on (its evaluations run side by side), instead of orphaning them."""
     child = ("import os, signal, sys, time, pathlib\n"
-             "d = pathlib.Path(sys.argv[1])\n"
-             "signal.signal(signal.SIGTERM, lambda *a: ((d / 'term').write_text('1'), sys.exit(0)))\n"
-             "(d / 'pid').write_text(str(os.getpid()))\n"
+             "d, tag = pathlib.Path(sys.argv[1]), sys.argv[2]\n"
+             "signal.signal(signal.SIGTERM, lambda *a: ((d / f'term-{tag}').write_text('1'), sys.exit(0)))\n"
+             "(d / f'pid-{tag}').write_text(str(os.getpid()))\n"
              "time.sleep(60)\n")
     parent = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+              "from concurrent.futures import ThreadPoolExecutor\n"
               "from _quickstart import run_child\n"
-              f"run_child([sys.executable, '-c', {child!r}, {str(tmp_path)!r}])\n"
+              "with ThreadPoolExecutor(1) as pool:\n"
+              f"    pool.submit(run_child, [sys.executable, '-c', {child!r}, {str(tmp_path)!r}, 'worker'])\n"
+              f"    run_child([sys.executable, '-c', {child!r}, {str(tmp_path)!r}, 'main'])\n"
               "print('not reached')\n")
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for _ in range(300):
-        if (tmp_path / "pid").exists():
+        if (tmp_path / "pid-main").exists() and (tmp_path / "pid-worker").exists():
             break
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.1)
-    pid = int((tmp_path / "pid").read_text())
+    pids = [int((tmp_path / f"pid-{tag}").read_text()) for tag in ("main", "worker")]
     proc.terminate()
     out, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "not reached" not in out, (out, err)
-    assert (tmp_path / "term").exists(), "the child was not sent SIGTERM"
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    for tag, pid in zip(("main", "worker"), pids, strict=True):
+        assert (tmp_path / f"term-{tag}").exists(), f"the {tag} thread's child was not sent SIGTERM"
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _blackbox():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports its sibling helpers as a script does
+    spec = importlib.util.spec_from_file_location("bench_blackbox", ROOT / "benchmarks" / "blackbox_learning.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_blackbox_instruction_sight_by_hand(tmp_path):
+    """The black-box table's last cell: how far the task's instruction lies from the policy's first output, against
+    how far back the policy can see (a harness that appends its own text can put the task out of sight)."""
+    from types import SimpleNamespace
+
+    from pipeline.messages import pack_i32
+    from pipeline.tokens.tokenizer import QwenTokenizer
+
+    b = _blackbox()
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "sliding_window": 512, "layer_types": ["sliding_attention"] * 2}))
+    assert b.policy_reach(tmp_path / "w") == 2 * 511  # each layer sees 511 positions further back
+    (tmp_path / "w" / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "sliding_window": None}))
+    assert b.policy_reach(tmp_path / "w") is None  # full attention: the whole prompt
+
+    tok = QwenTokenizer()
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task" / "instruction.md").write_text("Create file a.txt containing: owl\n")
+    head = tok.encode("You are a coding agent.\n\nCreate file a.txt containing: owl")
+    tail = tok.encode("\nAvailable skills: review, init, run.")
+    call = SimpleNamespace(label="main", seq=0, input_ids=pack_i32([*head, *tail]))
+    s = SimpleNamespace(calls=[call], request=SimpleNamespace(task_path=str(tmp_path / "task")))
+    assert b.instruction_distance(s, tok) == len(tail)
+    call.input_ids = pack_i32(head)
+    assert b.instruction_distance(s, tok) == 0
+    call.input_ids = pack_i32(tail)  # the prompt does not hold the instruction
+    assert b.instruction_distance(s, tok) is None
+
+    row = b.Row("claude-code", 0, distances=[1384, 1383, 1384], reach=1022)
+    assert b._sight(row) == "1,384 (1,384) / 1,022 **out of sight**"
+    assert b._sight(b.Row("codex", 0, distances=[10, 9, 10], reach=1022)) == "10 (10) / 1,022"
+    assert b._sight(b.Row("codex", 0, distances=[10], reach=None)) == "10 (10) / all"
+    assert b._sight(b.Row("codex", 0, reach=1022)) == "n/a (0) / 1,022"
