@@ -44,11 +44,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from _quickstart import run_logged  # benchmarks/ is sys.path[0] when run as a script
 
 from pipeline.cli.evaluate import latest_weights, load_report
-from pipeline.core.config import apply_overrides, resolve_experiment_path
+from pipeline.core.config import ConfigError, apply_overrides, resolve_experiment_path
 from pipeline.core.eventlog import EventLogReader
 from pipeline.core.logs import configure
 from pipeline.eval.estimators import Estimate, paired_difference, pass_at_k
@@ -56,6 +57,7 @@ from pipeline.messages import PolicyUpdated, ids
 from pipeline.monitor.metrics import load_metrics, of_kind
 from pipeline.rollout.scheduling import TaskSource, load_tasks
 from pipeline.tokens.tokenizer import QwenTokenizer
+from pipeline.training.tree_attention import sliding_window
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -204,17 +206,23 @@ def training_facts(run_dir: Path, row: Row) -> None:
 
 def policy_reach(policy: Path) -> int | None:
     """How far back a policy's output can be influenced by its prompt: each sliding-window layer looks window - 1
-    positions further back, so layers x (window - 1); None for full attention (the whole prompt)."""
+    positions further back, so layers x (window - 1); None when any layer attends to the whole prompt."""
     c = json.loads((policy / "config.json").read_text(encoding="utf-8"))
-    window = c.get("sliding_window") if "sliding_attention" in (c.get("layer_types") or []) else None
-    return c["num_hidden_layers"] * (window - 1) if window else None
+    window = sliding_window(SimpleNamespace(**c))  # the learner's own reading of the config
+    if not window or "full_attention" in (c.get("layer_types") or []):
+        return None
+    return c["num_hidden_layers"] * (window - 1)
+
+
+def _main_calls(s) -> list:
+    return sorted((c for c in s.calls if c.label == "main"), key=lambda c: c.seq)
 
 
 def instruction_distance(s, tok) -> int | None:
     """About how many tokens lie between the end of the task's instruction (its last line) and the end of the
     rollout's first prompt; None when the prompt does not contain that line. Found by decoding: the shortest tail of
     the prompt whose text holds the line (a longer tail holds it too, so a binary search finds it)."""
-    main = sorted((c for c in s.calls if c.label == "main"), key=lambda c: c.seq)
+    main = _main_calls(s)
     instruction = Path(s.request.task_path) / "instruction.md"
     if not main or not instruction.is_file():
         return None
@@ -234,7 +242,7 @@ def instruction_distance(s, tok) -> int | None:
 
 
 def _first_output(s) -> str:
-    main = sorted((c for c in s.calls if c.label == "main"), key=lambda c: c.seq)
+    main = _main_calls(s)
     if not main:
         return "no call"
     trace = main[0].trace
@@ -263,7 +271,7 @@ def measure(base: Path, harness: str, seed: int, sets: list[str], run: bool, fla
         row.sft, sft_pairs = pass1(eval_sft)
         row.rl, rl_pairs = pass1(eval_rl)
         row.diff = paired_difference(rl_pairs, sft_pairs)
-    except (RuntimeError, OSError, ValueError) as e:
+    except (RuntimeError, OSError, ValueError, ConfigError) as e:  # ConfigError: an evaluation without its report
         row.error = str(e)
     return row
 
@@ -299,7 +307,8 @@ def table(rows: list[Row]) -> str:
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         if r.error and r.diff is None:
-            lines.append(f"| {r.harness} | {r.seed} | failed: {r.error.splitlines()[0][:200]} |")
+            sight = f" (instruction → end of prompt / policy reach: {_sight(r)})" if r.distances else ""
+            lines.append(f"| {r.harness} | {r.seed} | failed: {r.error.splitlines()[0][:200]}{sight} |")
             continue
         diff = "n/a" if r.diff is None else f"{r.diff.text()} (n={r.diff.n})"
         share = f"{r.trainable:,} / {r.sampled:,}" + (f" ({100 * r.trainable / r.sampled:.0f} %)" if r.sampled else "")

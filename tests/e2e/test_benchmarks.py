@@ -506,3 +506,7 @@ def test_blackbox_instruction_sight_by_hand(tmp_path):
     assert b._sight(b.Row("codex", 0, distances=[10, 9, 10], reach=1022)) == "10 (10) / 1,022"
     assert b._sight(b.Row("codex", 0, distances=[10], reach=None)) == "10 (10) / all"
     assert b._sight(b.Row("codex", 0, reach=1022)) == "n/a (0) / 1,022"
+    # a row whose evaluation is missing (a run stopped because it learned nothing) still says why
+    failed = b.table([b.Row("claude-code", 0, error="no report.json", distances=[1384], reach=1022)]).splitlines()[-1]
+    assert failed == ("| claude-code | 0 | failed: no report.json (instruction → end of prompt / policy reach: "
+                      "1,384 (1,384) / 1,022 **out of sight**) |")
