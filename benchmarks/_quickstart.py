@@ -48,8 +48,11 @@ def run_child(cmd: Sequence[str], **popen: Any) -> subprocess.CompletedProcess[A
             try:
                 proc.wait(CHILD_GRACE_S)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                pass
+            finally:  # also when a second signal cuts the grace short: then the child is killed at once
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
             raise
         finally:
             with _LIVE_LOCK:
