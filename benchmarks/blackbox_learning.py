@@ -251,7 +251,7 @@ def _first_output(s) -> str:
 
 def measure(base: Path, harness: str, seed: int, sets: list[str], run: bool, flawed: float = 0.0) -> Row:
     row = Row(harness=harness, seed=seed)
-    where = base / f"{harness}-seed{seed}"
+    where = base / f"{harness.replace(':', '-')}-seed{seed}"  # "claude-code:lean" -> claude-code-lean-seed0
     run_dir, eval_sft, eval_rl = where / "train", where / "eval-sft", where / "eval-rl"
     try:
         if run and not (where / "wall_min.json").is_file():
@@ -338,7 +338,7 @@ def learned(r: Row) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--harness", nargs="+", default=["codex"],
-                    help="black-box harnesses: claude-code, codex, qwen-code, openclaw")
+                    help="black-box harnesses: claude-code, claude-code:lean, codex, qwen-code, openclaw")
     ap.add_argument("--seed", type=int, nargs="+", default=[0])
     ap.add_argument("--out", type=Path, help="where the runs go (default: a new temporary folder)")
     ap.add_argument("--set", dest="sets", action="append", default=[],

@@ -33,6 +33,7 @@ from pipeline.messages import (
     sampling_seed,
 )
 from pipeline.rollout.harness_space import HarnessConfig, Space, design
+from pipeline.rollout.harnesses import harness_problem
 from pipeline.rollout.scheduling import TaskSource
 from pipeline.rollout.tasks import Task
 
@@ -74,6 +75,9 @@ class EvalSettings(Section):
                               f"[{name}].samples = {self.samples}")
         if not self.harnesses and not self.columns:
             raise ConfigError(f"{exp.source}: [{name}]: nothing to evaluate; give harnesses, columns or both")
+        for harness in self.harnesses:
+            if why := harness_problem(harness):
+                raise ConfigError(f"{exp.source}: [{name}].harnesses: {why}")
         sched = exp.kind_section("scheduler")
         if sched is not None and sched[1].mode == "scaling":
             theirs, ours = (sched[1].space, sched[1].space_seed), (self.space, self.space_seed)

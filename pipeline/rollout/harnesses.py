@@ -86,6 +86,14 @@ def find_node() -> str:
     return shutil.which("node") or "node"
 
 
+# Claude Code's own command-line flags, per variant. By default Claude Code 2.1.197 follows the task's user message
+# with a system message of its own listing its sub-agent types and its skills (~1,370 tokens, the same for every
+# task), so the task is not the end of its prompt. "lean" turns both off with the harness's own flags (no skills,
+# no Agent tool): its prompt ends with the task, as Codex's and Qwen Code's do, which a small policy with a short
+# attention window needs (docs/harnesses.md). Every other tool, and the binary, are unchanged.
+CLAUDE_CODE_VARIANTS = {"": [], "lean": ["--disable-slash-commands", "--disallowedTools", "Agent"]}
+
+
 def claude_code(ctx: LaunchContext, variant: str = "") -> Launch:
     env = {
         **BASE_ENV,
@@ -104,7 +112,7 @@ def claude_code(ctx: LaunchContext, variant: str = "") -> Launch:
     }
     session = str(uuid.uuid4())
     argv = [ctx.binary, "-p", ctx.instruction, "--dangerously-skip-permissions", "--output-format", "stream-json",
-            "--verbose", "--max-turns", str(ctx.max_turns), "--session-id", session]
+            "--verbose", "--max-turns", str(ctx.max_turns), "--session-id", session, *CLAUDE_CODE_VARIANTS[variant]]
     cwd_key = ctx.workspace.replace("/", "-")
     return Launch(argv, env, transcript=f"{ctx.home}/.claude/projects/{cwd_key}/{session}.jsonl")
 
@@ -243,6 +251,8 @@ class Harness:
     # (context, variant: what followed "name:" in RolloutRequest.harness, "" if nothing) -> how to start it.
     launcher: Callable[[LaunchContext, str], Launch]
     variants: str = ""  # the form of its variants, for error messages ("" = it has none)
+    # Raises ValueError when a variant (non-empty) is not one of its own; None: it has no variants.
+    check_variant: Callable[[str], object] | None = None
     executable: str = ""  # found on the host by find_binary ("" = none: it runs on Python or bash)
     npm_package: str = ""  # the pinned npm package that provides the executable (install hint, image build)
     needs_node: bool = False  # it runs on the private Node (NODE_PACKAGE), found by find_node on the host
@@ -293,6 +303,13 @@ def node_package() -> str:
 
 
 NODE_ARCH = {"x86_64": "x64", "aarch64": "arm64", "arm64": "arm64"}
+
+
+def _one_of(variants: Mapping[str, object]) -> Callable[[str], None]:
+    def check(variant: str) -> None:
+        if variant not in variants:
+            raise ValueError(f'no variant "{variant}"; its variants: {", ".join(v for v in variants if v)}')
+    return check
 
 
 def _fixed(tools: DemoTools) -> Callable[[str], DemoTools]:
@@ -350,7 +367,9 @@ FORWARDER = "/opt/bridle/forwarder.py"  # in the base image: loopback -> the pro
 PAYLOAD_MOUNT = "/opt/bridle-harness"  # where a harness's payload (and the forwarder) appear over a task's image
 
 HARNESSES: dict[str, Harness] = {h.name: h for h in (
-    Harness("claude-code", claude_code, executable="claude", npm_package="@anthropic-ai/claude-code@2.1.197",
+    Harness("claude-code", claude_code, variants="|".join(v for v in CLAUDE_CODE_VARIANTS if v),
+            check_variant=_one_of(CLAUDE_CODE_VARIANTS), executable="claude",
+            npm_package="@anthropic-ai/claude-code@2.1.197",
             image="bridle-claude-code", container_binary="/usr/local/bin/claude", payload=("/usr/local/bin/claude",),
             image_inputs=(ImageInput("claude", paths=("@anthropic-ai/claude-code/bin/claude.exe",)),),
             demo_tools=_fixed(CLAUDE_CODE_TOOLS),
@@ -379,7 +398,8 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in (
             image_inputs=(NODE_INPUT, ImageInput("node_modules", closure="openclaw")),
             demo_tools=_fixed(OPENCLAW_TOOLS),
             tool_roles={"write": "write", "edit": "edit", "apply_patch": "edit", "read": "read", "exec": "shell"}),
-    Harness("whitebox", whitebox, variants="SxTxOxCxWx", image="bridle-whitebox",
+    Harness("whitebox", whitebox, variants="SxTxOxCxWx", check_variant=HarnessConfig.parse,
+            image="bridle-whitebox",
             container_binary="/opt/bridle/whitebox/harness.py", payload=("/opt/bridle/whitebox",),
             demo_tools=_whitebox_tools),
     Harness("oracle", oracle, image=BASE_IMAGE, needs_solution=True, uses_proxy=False),
@@ -413,10 +433,16 @@ def harness_problem(harness: str) -> str:
     """Why ``harness`` (as a setting names it) cannot run in a sandbox; "" when it can."""
     try:
         found, variant = sandbox_harness(harness)
-        if found.name == "whitebox" and variant:
-            HarnessConfig.parse(variant)
     except ValueError as e:
         return str(e)
+    if not variant:
+        return ""
+    if found.check_variant is None:
+        return f'harness "{harness}": {found.name} has no variants; name it "{found.name}"'
+    try:
+        found.check_variant(variant)
+    except ValueError as e:
+        return f'harness "{harness}": {e}'
     return ""
 
 

@@ -276,6 +276,11 @@ def test_distributed_weight_sync_with_learner_ranks_is_refused():
     ("graph.inbox_sizes.nosuch=5", 'inbox_sizes names actor "nosuch"'),
     ('scheduler.harness="whtiebox"', 'unknown harness "whtiebox"'),
     ('scheduler.harness="whitebox:S9T0O0C0W0"', "S9T0O0C0W0"),
+    # a variant a harness does not have used to be dropped silently: the run trained another configuration
+    ('scheduler.harness="codex:lean"', 'harness "codex:lean": codex has no variants; name it "codex"'),
+    ('scheduler.harness="claude-code:bare"', 'harness "claude-code:bare": no variant "bare"; its variants: lean'),
+    ('eval.harnesses=["claude-code:fat"]', '[eval].harnesses: harness "claude-code:fat": no variant "fat"'),
+    ('eval.harnesses=["whtiebox"]', '[eval].harnesses: unknown harness "whtiebox"'),
     ("proxy.engine.max_running_requests=0", "max_running_requests"),
     ("proxy.engine.context_len=-5", "context_len"),
     ("eval.ks=[]", "ks"),

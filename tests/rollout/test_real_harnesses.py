@@ -11,17 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.rollout.harnesses import HARNESSES, find_binary
+from pipeline.messages import ids
+from pipeline.rollout.harnesses import find_binary, harness_for
 from pipeline.serving.scripted import ScriptCall, ScriptResponse
 from tests.helpers.ci import require
 from tests.helpers.harness_run import check_prefix, run_harness
-from tests.helpers.proxyutil import model_calls
+from tests.helpers.proxyutil import model_calls, renderer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.harness]
 
 
 async def drive(harness: str, tmp_path: Path, first_call: ScriptResponse) -> tuple[subprocess.CompletedProcess, list, Path]:
-    binary = find_binary(HARNESSES[harness].executable)
+    binary = find_binary(harness_for(harness)[0].executable)
     require(binary is not None, f"{harness} binary not installed (set BRIDLE_HARNESS_BIN)")
     return await run_harness(harness, tmp_path, first_call, binary)
 
@@ -40,6 +41,23 @@ async def test_claude_code_tool_call_round_trip(tmp_path):
     k, n, text = check_prefix(calls)
     print("claude-code: call 2 extends call 1 up to token", k, "of", n, ":", text)
     assert k == n, f"Claude Code rewrote history at token {k}: {text}"
+
+
+async def test_claude_code_lean_prompt_ends_with_the_task(tmp_path):
+    """The "lean" variant (Claude Code's own --disable-slash-commands, --disallowedTools Agent) drops the system
+    message Claude Code otherwise puts after the task (its agent types and skills, ~1,370 tokens): the task is the
+    end of the prompt, and the tools still work."""
+    target = tmp_path / "ws" / "hello.txt"
+    proc, records, _ws = await drive("claude-code:lean", tmp_path, ScriptResponse(tool_calls=[
+        ScriptCall(name="Write", arguments={"file_path": str(target), "content": "hello from bridle\n"})]))
+    assert proc.returncode == 0, proc.stdout.decode()[-2000:] + proc.stderr.decode()[-2000:]
+    assert target.read_text() == "hello from bridle\n"
+    calls = model_calls(records)
+    tok = renderer().tokenizer
+    prompt = tok.decode(ids(calls[0].input_ids).tolist())
+    assert "Available agent types" not in prompt and "skills" not in prompt.lower().split("hello from bridle")[-1]
+    after = prompt.rsplit("Create hello.txt containing: hello from bridle", 1)[1]
+    assert len(tok.encode(after)) <= 12, f"the prompt goes on after the task: {after[:300]!r}"
 
 
 async def test_codex_tool_call_round_trip(tmp_path):

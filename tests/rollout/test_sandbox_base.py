@@ -247,10 +247,10 @@ async def test_sandbox_gone_under_the_harness_is_sandbox_error_without_its_outpu
 
 
 @pytest.mark.parametrize(("harness", "want"), [
-    ("nope", ('could not prepare the sandbox: ValueError: unknown harness "nope"; known: claude-code, codex, '
-              "qwen-code, openclaw, whitebox[:SxTxOxCxWx], oracle, imageless")),
+    ("nope", ('could not prepare the sandbox: ValueError: unknown harness "nope"; known: claude-code[:lean], '
+              "codex, qwen-code, openclaw, whitebox[:SxTxOxCxWx], oracle, imageless")),
     ("imageless", ('could not prepare the sandbox: ValueError: harness "imageless" has no sandbox image yet; the '
-                   "sandboxes run claude-code, codex, qwen-code, openclaw, whitebox[:SxTxOxCxWx], oracle")),
+                   "sandboxes run claude-code[:lean], codex, qwen-code, openclaw, whitebox[:SxTxOxCxWx], oracle")),
 ])
 async def test_harness_the_sandboxes_cannot_run_is_sandbox_error_before_any_hook(task, harness, want, monkeypatch):
     from pipeline.rollout import harnesses
