@@ -190,6 +190,9 @@ def openclaw(ctx: LaunchContext, variant: str = "") -> Launch:
         # skipBootstrap: otherwise it writes AGENTS.md, SOUL.md, ... into the workspace.
         "agents": {"defaults": {"model": {"primary": f"local/{ctx.model}"}, "skipBootstrap": True,
                                 "heartbeat": {"every": "0m"}}},
+        # "enforce" (the default) runs two session-store reclamation passes in worker threads before the first
+        # request, 2.5-2.9 s of its start on 2 cores; exec's state folder is a temporary one it deletes anyway.
+        "session": {"maintenance": {"mode": "warn"}},
     }
     config_path = f"{ctx.home}/.openclaw/bridle.json5"  # JSON is valid json5
     instruction_file = ctx.instruction_file or f"{ctx.home}/instruction.md"
@@ -198,7 +201,10 @@ def openclaw(ctx: LaunchContext, variant: str = "") -> Launch:
         files[instruction_file] = ctx.instruction
     argv = [ctx.node or find_node(), ctx.binary, "agent", "exec", "--config", config_path, "--model", f"local/{ctx.model}",
             "--cwd", ctx.workspace, "--timeout", str(OPENCLAW_TIMEOUT_S), "--json", "--message-file", instruction_file]
-    return Launch(argv, {**BASE_ENV, "HOME": ctx.home}, files=files)
+    # Without OPENCLAW_NO_RESPAWN it starts itself again as a detached child (to add a Node flag that only hides a
+    # warning): a second Node start, and a process outside the harness's process group, which a kill of the group
+    # would leave running under the local backend.
+    return Launch(argv, {**BASE_ENV, "HOME": ctx.home, "OPENCLAW_NO_RESPAWN": "1"}, files=files)
 
 
 def whitebox(ctx: LaunchContext, variant: str = "") -> Launch:
