@@ -201,9 +201,9 @@ def openclaw(ctx: LaunchContext, variant: str = "") -> Launch:
         files[instruction_file] = ctx.instruction
     argv = [ctx.node or find_node(), ctx.binary, "agent", "exec", "--config", config_path, "--model", f"local/{ctx.model}",
             "--cwd", ctx.workspace, "--timeout", str(OPENCLAW_TIMEOUT_S), "--json", "--message-file", instruction_file]
-    # Without OPENCLAW_NO_RESPAWN it starts itself again as a detached child (to add a Node flag that only hides a
-    # warning): a second Node start, and a process outside the harness's process group, which a kill of the group
-    # would leave running under the local backend.
+    # Without OPENCLAW_NO_RESPAWN it starts itself again as a detached child, only to add a Node flag that hides a
+    # warning: two Node processes per rollout, the working one outside the harness's process group (the sandboxes
+    # still reach it, by its environment marker or its container, but a plain process-group kill would not).
     return Launch(argv, {**BASE_ENV, "HOME": ctx.home, "OPENCLAW_NO_RESPAWN": "1"}, files=files)
 
 
