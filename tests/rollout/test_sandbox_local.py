@@ -180,7 +180,9 @@ async def test_start_reaps_a_crashed_runs_processes_and_workspaces(tmp_path):
     # a verifier's folder in the temp dir (its tests and HOME), as a kill -9 mid-verification leaves it
     verifying = tempfile.mkdtemp(prefix=b._verify_prefix)
     others_verifier = tempfile.mkdtemp(prefix=LocalBackend(LocalSettings(), run_id=f"{run}-2")._verify_prefix)
-    assert leftovers(b) == [proc.pid]
+    # until the child has exec'd: before that its /proc environ is still the parent's, without the marker (a
+    # loaded machine showed it: the reaper had nothing to find yet)
+    await until(lambda: leftovers(b) == [proc.pid], timeout_s=30)
     await b.start()
     await proc.wait()
     assert leftovers(b) == []
