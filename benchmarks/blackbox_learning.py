@@ -3,7 +3,7 @@
 held-out evaluation of its SFT and RL policies through the same harness, paired.
 
     python benchmarks/blackbox_learning.py --harness codex [--seed 0 1] [--out DIR] [--set k=v ...]
-    python benchmarks/blackbox_learning.py --harness claude-code codex qwen-code openclaw --seed 0 1 --out DIR
+    python benchmarks/blackbox_learning.py --harness claude-code:lean codex qwen-code openclaw --seed 0 1 --out DIR
     python benchmarks/blackbox_learning.py --from DIR          # re-print the table of an earlier invocation
     python benchmarks/blackbox_learning.py --harness codex --flawed-demos 0.5 --out DIR   # RL has a choice to fix
 
@@ -96,7 +96,8 @@ class Row:
 # with a system message of its own (its agent types and skills): the instruction ends ~1,384 tokens before the first
 # output, beyond what the config's 2 layers with a 512-token window can see (2 x 511; perturbing the instruction leaves
 # the first output's logits bit-identical), so its policy gets a 2,048-token window, in a model folder of its own.
-# The table's last column shows each row's distance and reach.
+# The table's last column shows each row's distance and reach. "claude-code:lean" (Claude Code's own flags drop that
+# message) needs none of this: its prompt ends with the task, and its policy is the config's.
 POLICY_SETS = {"claude-code": ["experiment.build_model.sliding_window=2048",
                                'run.model="runs/cache/blackbox-model-v2-w2048"']}
 
