@@ -418,11 +418,18 @@ def _known(harnesses: list[Harness]) -> str:
 
 def harness_for(harness: str) -> tuple[Harness, str]:
     """(adapter, variant) of a RolloutRequest.harness: "whitebox:S0T1O2C1W0" -> (HARNESSES["whitebox"],
-    "S0T1O2C1W0"); "codex" -> (HARNESSES["codex"], "")."""
+    "S0T1O2C1W0"); "codex" -> (HARNESSES["codex"], ""). ValueError for an unknown harness or a variant it has not."""
     name, _, variant = harness.partition(":")
     found = HARNESSES.get(name)
     if found is None:
         raise ValueError(f'unknown harness "{harness}"; known: {_known(list(HARNESSES.values()))}')
+    if variant and found.check_variant is None:
+        raise ValueError(f'harness "{harness}": {found.name} has no variants; name it "{found.name}"')
+    if variant:
+        try:
+            found.check_variant(variant)
+        except ValueError as e:
+            raise ValueError(f'harness "{harness}": {e}') from None
     return found, variant
 
 
@@ -438,17 +445,9 @@ def sandbox_harness(harness: str) -> tuple[Harness, str]:
 def harness_problem(harness: str) -> str:
     """Why ``harness`` (as a setting names it) cannot run in a sandbox; "" when it can."""
     try:
-        found, variant = sandbox_harness(harness)
+        sandbox_harness(harness)
     except ValueError as e:
         return str(e)
-    if not variant:
-        return ""
-    if found.check_variant is None:
-        return f'harness "{harness}": {found.name} has no variants; name it "{found.name}"'
-    try:
-        found.check_variant(variant)
-    except ValueError as e:
-        return f'harness "{harness}": {e}'
     return ""
 
 

@@ -251,6 +251,11 @@ async def test_sandbox_gone_under_the_harness_is_sandbox_error_without_its_outpu
               "codex, qwen-code, openclaw, whitebox[:SxTxOxCxWx], oracle, imageless")),
     ("imageless", ('could not prepare the sandbox: ValueError: harness "imageless" has no sandbox image yet; the '
                    "sandboxes run claude-code[:lean], codex, qwen-code, openclaw, whitebox[:SxTxOxCxWx], oracle")),
+    # a request that slipped past the config's checks is refused too, not run as another harness configuration
+    ("codex:lean", ('could not prepare the sandbox: ValueError: harness "codex:lean": codex has no variants; name it '
+                    '"codex"')),
+    ("claude-code:x", ('could not prepare the sandbox: ValueError: harness "claude-code:x": no variant "x"; its '
+                       "variants: lean")),
 ])
 async def test_harness_the_sandboxes_cannot_run_is_sandbox_error_before_any_hook(task, harness, want, monkeypatch):
     from pipeline.rollout import harnesses
